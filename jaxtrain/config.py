@@ -1,0 +1,225 @@
+"""Config defaults, the one validation pass, and values derived from a config.
+
+Every config in `configs/` starts from `default_config()` and overrides fields. `validate()` runs
+before anything is compiled; it raises `ConfigError` naming the key, the value and the fix, which
+the CLI prints as one line before exiting with code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+from ml_collections import config_dict
+
+REMAT_POLICIES = ("none", "full", "minimal", "save_dots", "save_qkv_proj")
+ATTENTION_IMPLS = ("xla", "cudnn", "auto")
+ROPE_SCALING_TYPES = ("none", "llama3")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message names key, value and fix on one line."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """All keys with defaults; a config file overrides what differs."""
+  c = ml_collections.ConfigDict()
+
+  c.model = ml_collections.ConfigDict()
+  c.model.vocab_size = 32000
+  c.model.num_layers = 2
+  c.model.d_model = 256
+  c.model.num_heads = 4
+  c.model.num_kv_heads = 4
+  c.model.head_dim = 64
+  c.model.mlp_dim = 1024
+  c.model.norm_eps = 1e-5
+  c.model.rope_theta = 10000.0
+  c.model.rope_scaling = ml_collections.ConfigDict()
+  c.model.rope_scaling.type = "none"  # "none" | "llama3"
+  c.model.rope_scaling.factor = 8.0
+  c.model.rope_scaling.low_freq_factor = 1.0
+  c.model.rope_scaling.high_freq_factor = 4.0
+  c.model.rope_scaling.original_max_position_embeddings = 8192
+  c.model.max_position_embeddings = 8192
+  c.model.tie_embeddings = False
+  c.model.init_std = 0.02
+  c.model.scan_layers = True
+  c.model.remat_policy = "minimal"
+  c.model.param_dtype = "float32"
+  # Compute dtype. float32 on CPU; configs for accelerators set bfloat16.
+  c.model.dtype = "float32"
+
+  c.attention = ml_collections.ConfigDict()
+  c.attention.impl = "xla"
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1
+  c.mesh.fsdp = -1  # -1: all devices not used by the other axes
+  c.mesh.tensor = 1
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 1000
+  c.train.global_batch_size = 8  # sequences per optimizer step, over all devices and microbatches
+  c.train.seq_len = 1024
+  c.train.grad_accum_steps = 1
+  c.train.seed = 0
+  c.train.log_every = 10
+  c.train.eval_every = 200
+  c.train.eval_batches = 4
+  # Tokens per chunk of the cross-entropy; bounds the float32 logits temporary to [B, chunk, V].
+  c.train.loss_chunk_size = 512
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.learning_rate = 3e-4
+  c.optim.warmup_steps = 100
+  c.optim.decay_steps = config_dict.placeholder(int)  # None: train.steps
+  c.optim.min_lr_ratio = 0.1
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.95
+  c.optim.eps = 1e-8
+  c.optim.weight_decay = 0.1
+  c.optim.grad_clip_norm = 1.0
+
+  c.data = ml_collections.ConfigDict()
+  c.data.source = "stdlib_bytes"
+  c.data.eval_fraction = 0.02
+  c.data.seed = 0
+  c.data.num_workers = 0
+
+  c.log = ml_collections.ConfigDict()
+  c.log.tensorboard = True
+  return c
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+  data: int
+  fsdp: int
+  tensor: int
+
+  @property
+  def batch_shards(self) -> int:
+    return self.data * self.fsdp
+
+
+def resolve_mesh_shape(config, num_devices: int) -> MeshShape:
+  """Fills the one -1 axis so the product is the device count; ConfigError when impossible."""
+  sizes = {name: int(config.mesh[name]) for name in ("data", "fsdp", "tensor")}
+  free = [n for n, s in sizes.items() if s == -1]
+  for name, size in sizes.items():
+    if size == 0 or size < -1:
+      raise ConfigError(f"mesh.{name}={size}: mesh axis sizes must be positive (or -1 for one axis "
+                        f"to take the remaining devices)")
+  if len(free) > 1:
+    raise ConfigError(f"mesh.{free[1]}=-1: only one mesh axis may be -1 (also mesh.{free[0]}=-1); "
+                      f"give the others explicit sizes")
+  fixed = 1
+  for n, s in sizes.items():
+    if s != -1:
+      fixed *= s
+  if free:
+    if num_devices % fixed:
+      raise ConfigError(f"mesh.{free[0]}=-1: the other axes multiply to {fixed}, which does not "
+                        f"divide the {num_devices} devices; choose sizes whose product divides it")
+    sizes[free[0]] = num_devices // fixed
+  elif fixed != num_devices:
+    raise ConfigError(f"mesh.data*mesh.fsdp*mesh.tensor={sizes['data']}*{sizes['fsdp']}*"
+                      f"{sizes['tensor']}={fixed}, but {num_devices} devices are present; make "
+                      f"the product {num_devices} or set one axis to -1")
+  return MeshShape(**sizes)
+
+
+def _positive(config, key: str):
+  node = config
+  for part in key.split("."):
+    node = node[part]
+  if node is None or node <= 0:
+    raise ConfigError(f"{key}={node}: must be a positive number")
+
+
+def validate(config, num_devices: int, platform: str = "cpu") -> MeshShape:
+  """Checks everything that can be checked before compiling. Returns the resolved mesh shape.
+
+  `platform` is the JAX backend ("cpu", "gpu", "tpu") for backend-specific choices.
+
+  Raises ConfigError with one line: the key, the bad value, and how to fix it.
+  """
+  for key in ("model.vocab_size", "model.num_layers", "model.d_model", "model.num_heads",
+              "model.num_kv_heads", "model.head_dim", "model.mlp_dim", "model.norm_eps",
+              "model.rope_theta", "model.max_position_embeddings", "train.steps",
+              "train.global_batch_size", "train.seq_len", "train.grad_accum_steps",
+              "train.log_every", "train.eval_every", "train.eval_batches",
+              "train.loss_chunk_size", "optim.learning_rate"):
+    _positive(config, key)
+  for key in ("optim.warmup_steps", "optim.weight_decay", "optim.grad_clip_norm",
+              "optim.min_lr_ratio"):
+    group, name = key.split(".")
+    if config[group][name] < 0:
+      raise ConfigError(f"{key}={config[group][name]}: must be >= 0")
+  if config.optim.decay_steps is not None and config.optim.decay_steps <= 0:
+    raise ConfigError(f"optim.decay_steps={config.optim.decay_steps}: must be positive, or None "
+                      f"to decay over train.steps")
+
+  m = config.model
+  if m.remat_policy not in REMAT_POLICIES:
+    raise ConfigError(f"model.remat_policy={m.remat_policy!r}: unknown remat policy; choose one "
+                      f"of {', '.join(REMAT_POLICIES)}")
+  if config.attention.impl not in ATTENTION_IMPLS:
+    raise ConfigError(f"attention.impl={config.attention.impl!r}: unknown attention "
+                      f"implementation; choose one of {', '.join(ATTENTION_IMPLS)}")
+  if config.attention.impl == "cudnn" and platform != "gpu":
+    raise ConfigError(f"attention.impl='cudnn': needs a GPU, this backend is {platform!r}; use "
+                      f"'xla' or 'auto'")
+  if m.rope_scaling.type not in ROPE_SCALING_TYPES:
+    raise ConfigError(f"model.rope_scaling.type={m.rope_scaling.type!r}: choose one of "
+                      f"{', '.join(ROPE_SCALING_TYPES)}")
+  for key in ("param_dtype", "dtype"):
+    if m[key] not in DTYPES:
+      raise ConfigError(f"model.{key}={m[key]!r}: choose one of {', '.join(DTYPES)}")
+  if m.num_heads % m.num_kv_heads:
+    raise ConfigError(f"model.num_kv_heads={m.num_kv_heads}: must divide model.num_heads="
+                      f"{m.num_heads} (grouped-query attention); pick a divisor of it")
+  if m.head_dim % 2:
+    raise ConfigError(f"model.head_dim={m.head_dim}: must be even for rotary embeddings")
+
+  mesh = resolve_mesh_shape(config, num_devices)
+  tensor_divides = (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads),
+                    ("model.mlp_dim", m.mlp_dim), ("model.vocab_size", m.vocab_size))
+  for key, value in tensor_divides:
+    if value % mesh.tensor:
+      raise ConfigError(f"mesh.tensor={mesh.tensor}: does not divide {key}={value}; use a "
+                        f"tensor size that divides it (e.g. "
+                        f"{_largest_divisor(value, mesh.tensor)})")
+  if m.d_model % mesh.fsdp:
+    raise ConfigError(f"mesh.fsdp={mesh.fsdp}: does not divide model.d_model={m.d_model}; use an "
+                      f"fsdp size that divides it")
+
+  t = config.train
+  per_step = mesh.batch_shards * t.grad_accum_steps
+  if t.global_batch_size % per_step:
+    raise ConfigError(
+        f"train.global_batch_size={t.global_batch_size}: must be divisible by mesh.data*mesh.fsdp"
+        f"*train.grad_accum_steps={mesh.data}*{mesh.fsdp}*{t.grad_accum_steps}={per_step}; use a "
+        f"multiple of {per_step}")
+  if t.seq_len > m.max_position_embeddings:
+    raise ConfigError(f"train.seq_len={t.seq_len}: exceeds model.max_position_embeddings="
+                      f"{m.max_position_embeddings}; shorten the sequence or raise the limit")
+  if m.rope_scaling.type == "llama3":
+    rs = m.rope_scaling
+    if rs.factor <= 0 or rs.original_max_position_embeddings <= 0:
+      raise ConfigError(f"model.rope_scaling.factor={rs.factor}: factor and "
+                        f"original_max_position_embeddings must be positive")
+    if rs.high_freq_factor <= rs.low_freq_factor:
+      raise ConfigError(f"model.rope_scaling.high_freq_factor={rs.high_freq_factor}: must exceed "
+                        f"low_freq_factor={rs.low_freq_factor}")
+  if config.data.num_workers < 0:
+    raise ConfigError(f"data.num_workers={config.data.num_workers}: must be >= 0")
+  if not 0.0 < config.data.eval_fraction < 1.0:
+    raise ConfigError(f"data.eval_fraction={config.data.eval_fraction}: must be in (0, 1)")
+  return mesh
+
+
+def _largest_divisor(value: int, limit: int) -> int:
+  return max(d for d in range(1, limit + 1) if value % d == 0)

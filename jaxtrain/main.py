@@ -1,0 +1,64 @@
+"""CLI: `python -m jaxtrain.main --config=configs/NAME.py [--config.KEY=VALUE ...] [--workdir=DIR]`.
+
+Parses the config, validates it before anything compiles (a bad value prints one line and exits
+with code 2), initializes multi-process JAX when launched that way, and trains.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to an ml-collections config file, e.g. configs/tiny.py.",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Directory for metrics.jsonl and TensorBoard events "
+    "(default: runs/<config name>).")
+
+
+def _default_workdir() -> str:
+  path = flags.FLAGS["config"].value if "config" in flags.FLAGS else None
+  name = os.path.splitext(os.path.basename(path.split(":")[0]))[0] if path else "run"
+  return os.path.join("runs", name)
+
+
+def _maybe_initialize_distributed():
+  """Multi-process runs (launch/ scripts, SLURM, TPU pods) set the coordinator in the env."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("JAXTRAIN_DISTRIBUTED") == "1":
+    jax.distributed.initialize()
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  config = _CONFIG.value
+  if config is None:
+    print("error: --config is required, e.g. --config=configs/tiny.py", file=sys.stderr)
+    sys.exit(2)
+  _maybe_initialize_distributed()
+  import jax  # pylint: disable=import-outside-toplevel
+  from jaxtrain.config import ConfigError, validate  # pylint: disable=import-outside-toplevel
+  try:
+    mesh_shape = validate(config, jax.device_count(), jax.default_backend())
+  except ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+  from jaxtrain import trainer  # pylint: disable=import-outside-toplevel
+  workdir = _WORKDIR.value or _default_workdir()
+  start = time.perf_counter()
+  result = trainer.run(config, workdir, mesh_shape)
+  if jax.process_index() == 0:
+    print(f"done in {time.perf_counter() - start:.1f}s: final loss {result['loss']:.4f}, "
+          f"eval loss {result['eval_loss']:.4f}; metrics in {os.path.join(workdir, 'metrics.jsonl')}",
+          flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

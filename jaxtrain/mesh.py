@@ -1,0 +1,91 @@
+"""The device mesh and the one table mapping logical axis names to mesh axes.
+
+Parallelism is data here, not code: params and activations name their dims logically (`embed`,
+`heads`, ...) and LOGICAL_RULES says which mesh axes shard each. FSDP, tensor and data parallelism
+are rows of this table; a new parallelism adds a mesh axis and rows.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# logical name -> mesh axis (or tuple of axes, or None = replicated). Every logical name used by
+# the model must appear: flax treats an unknown name as a mesh-axis name and fails.
+LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("norm", None),
+    ("layers", None),
+    # activations: the batch is split over every data-parallel axis; the model dim is whole on
+    # each device between layers (fsdp gathers weights, not activations).
+    ("act_batch", BATCH_AXES),
+    ("act_length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)
+_RULES = dict(LOGICAL_RULES)
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A (data, fsdp, tensor) mesh over `devices` (default: all). One size may be -1 (the rest).
+
+  Axes are Auto (GSPMD propagation): the model states shardings for params and a few activation
+  constraints, and XLA chooses the collectives.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = [data, fsdp, tensor]
+  if sizes.count(-1) > 1:
+    raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} "
+                     f"tensor={tensor}")
+  known = int(np.prod([s for s in sizes if s != -1]))
+  if -1 in sizes:
+    if len(devices) % known:
+      raise ValueError(f"mesh sizes {sizes} cannot fill {len(devices)} devices")
+    sizes[sizes.index(-1)] = len(devices) // known
+  if int(np.prod(sizes)) != len(devices):
+    raise ValueError(f"mesh data*fsdp*tensor={sizes} has {int(np.prod(sizes))} devices, but "
+                     f"{len(devices)} are present")
+  return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
+                       devices=devices)
+
+
+def logical_to_spec(names: Sequence[str | None]) -> P:
+  """PartitionSpec for a tuple of logical axis names, via LOGICAL_RULES."""
+  return P(*(None if n is None else _RULES[n] for n in names))
+
+
+def shard(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+  """Constrains an activation's sharding by logical names; a no-op outside a mesh context.
+
+  Model code calls this at the few places where propagation alone picks badly (the residual
+  stream, attention heads, logits), so the model runs unchanged on one device or a pod.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(names))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+  """Sharding of a host batch [B, T, ...]: B over the data-parallel axes, the rest whole."""
+  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())

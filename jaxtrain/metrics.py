@@ -1,0 +1,409 @@
+"""Parameter and FLOP accounting, peak FLOP/s per device, MFU, and the run's metric writers.
+
+FLOPs per token -- the one formula used everywhere (console, metrics.jsonl, start-of-run table):
+
+    flops_per_token = 6 * N_matmul + 6 * L * T * H * E
+
+  N_matmul  parameters that take part in a matmul: per layer the q, k, v, o projections and the
+            MLP gate/up/down, plus the lm head (D*V). The embedding lookup table and the RMSNorm
+            scales are excluded (a gather and elementwise scales do no matmul FLOPs). With
+            `tie_embeddings` the embedding matrix *is* the lm head, so D*V counts exactly once.
+  6 *       2 FLOPs per multiply-add in the forward pass, and training = forward + backward where
+            the backward costs 2x the forward (gradients w.r.t. activations and weights), so 3x.
+  attention QK^T and AV are two matmuls of 2*T*H*E FLOPs per token per layer each in the forward
+            pass, i.e. 4*T*H*E for the full T x T score matrix. Causal masking makes half of it
+            useful work, so we count 0.5 of it (FLOPs on masked entries are not credited even if a
+            kernel computes them). Training triples it: 3 * L * 4*T*H*E * 0.5 = 6*L*T*H*E.
+
+  L layers, T sequence length, H query heads, E head dim. Not counted: RMSNorm, RoPE, softmax,
+  SwiGLU's elementwise product, the loss -- all O(D) per token and negligible next to the matmuls.
+  Rematerialisation is also not counted: MFU credits model FLOPs, not recomputed ones.
+
+MFU = tokens_per_sec * flops_per_token / (peak FLOP/s per device * number of devices). The peak
+comes from a table of dense bf16 figures for known accelerators; on CPU it is measured (see
+`measure_cpu_matmul_peak`). Unknown accelerators get no peak, and MFU is reported as n/a rather
+than a number computed against a guessed peak.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import numbers
+import os
+import re
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+# Dense (no sparsity) bf16 peak FLOP/s per chip, from vendor datasheets. Order matters: the first
+# pattern that matches `device.device_kind` (case-insensitively) wins, so more specific variants
+# (H100 PCIe, v5 lite) come before the general ones.
+PEAK_FLOPS_TABLE: tuple[tuple[str, str, float], ...] = (
+    # (regex on device_kind, name, peak FLOP/s)
+    (r"h100.*pcie", "NVIDIA H100 PCIe", 756e12),
+    (r"h100", "NVIDIA H100 SXM", 989e12),
+    (r"h200", "NVIDIA H200", 989e12),
+    (r"a100", "NVIDIA A100", 312e12),
+    (r"tpu\s*v4(?!\s*lite|i)", "TPU v4", 275e12),
+    # JAX reports v5e as "TPU v5 lite" and v5p as "TPU v5p" (older runtimes: plain "TPU v5").
+    (r"tpu\s*v5\s*(lite|e\b)", "TPU v5e", 197e12),
+    (r"tpu\s*v5(p\b|$)", "TPU v5p", 459e12),
+    (r"tpu\s*v6\s*(lite|e\b)", "TPU v6e", 918e12),
+)
+
+# Size of the square float32 matmul used to measure a CPU host: big enough that dispatch overhead
+# is negligible and XLA spreads it over all cores, small enough to time in tens of milliseconds.
+_CPU_MATMUL_N = 1024
+_CPU_MEASURE_BUDGET_S = 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter and FLOP counts.
+# --------------------------------------------------------------------------------------------
+
+
+def _dims(model_config) -> tuple[int, int, int, int, int, int, int]:
+  m = model_config
+  return (int(m.num_layers), int(m.d_model), int(m.num_heads), int(m.num_kv_heads),
+          int(m.head_dim), int(m.mlp_dim), int(m.vocab_size))
+
+
+def _matmul_params_per_layer(model_config) -> int:
+  _, d, h, k, e, f, _ = _dims(model_config)
+  attention = d * h * e + 2 * d * k * e + h * e * d  # q, k+v (grouped-query), o
+  mlp = 3 * d * f  # gate, up, down (SwiGLU)
+  return attention + mlp
+
+
+def count_params(model_config) -> int:
+  """Analytic parameter count of the Llama model described by `model_config` (config.model).
+
+  Embedding V*D; per layer q D*H*E, k and v D*K*E each, o H*E*D, MLP 3*D*F, two RMSNorm scales
+  2*D; final norm D; lm head D*V unless `tie_embeddings`. Llama 3.1 8B gives 8,030,261,248.
+  """
+  num_layers, d, _, _, _, _, v = _dims(model_config)
+  per_layer = _matmul_params_per_layer(model_config) + 2 * d
+  head = 0 if model_config.tie_embeddings else d * v
+  return v * d + num_layers * per_layer + d + head
+
+
+def matmul_params(model_config) -> int:
+  """N_matmul: parameters used in matmuls; all layer projections plus the lm head (D*V, once).
+
+  The embedding lookup and norm scales are excluded. Tied or not, the head matmul happens once,
+  so this does not depend on `tie_embeddings`.
+  """
+  num_layers, d, _, _, _, _, v = _dims(model_config)
+  return num_layers * _matmul_params_per_layer(model_config) + d * v
+
+
+def flops_per_token(model_config, seq_len: int) -> float:
+  """Training (forward + backward) FLOPs per token: 6 * N_matmul + 6 * L * T * H * E.
+
+  N_matmul is `matmul_params(model_config)`; the attention term is QK^T and AV (4*T*H*E forward
+  FLOPs per token per layer for the full score matrix), halved for causal masking and tripled for
+  forward + backward. See the module docstring for the full derivation.
+  """
+  num_layers, _, h, _, e, _, _ = _dims(model_config)
+  t = int(seq_len)
+  dense = 6.0 * matmul_params(model_config)
+  attention = 3.0 * num_layers * (4.0 * t * h * e) * 0.5  # = 6 * L * T * H * E
+  return dense + attention
+
+
+def flops_per_step(model_config, seq_len: int, global_batch_size: int) -> float:
+  """Training FLOPs per optimizer step: flops_per_token * seq_len * global_batch_size."""
+  return flops_per_token(model_config, seq_len) * int(seq_len) * int(global_batch_size)
+
+
+# --------------------------------------------------------------------------------------------
+# Peak FLOP/s and MFU.
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def measure_cpu_matmul_peak(n: int = _CPU_MATMUL_N, budget_s: float = _CPU_MEASURE_BUDGET_S
+                            ) -> float:
+  """Measures the host's float32 matmul throughput in FLOP/s (best of several timed runs).
+
+  XLA:CPU runs one dot on the host's shared intra-op thread pool, i.e. on all cores, so a matmul
+  on a single CPU device measures the whole host. Cached: the first call costs up to ~budget_s
+  plus one compile, later calls are free.
+  """
+  import jax  # Local import: the rest of this module (counts, writers) must not need jax.
+  import jax.numpy as jnp
+
+  device = jax.local_devices(backend="cpu")[0]
+  a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+  b = jax.device_put(jnp.full((n, n), 0.5, jnp.float32), device)
+  matmul = jax.jit(jnp.matmul)
+  matmul(a, b).block_until_ready()  # Compile and warm up caches/threads; not timed.
+  best = math.inf
+  start = time.perf_counter()
+  # At least 3 timed reps so one preempted run cannot set the figure; stop at the time budget
+  # (the host may be slow or shared) or after 20 reps (more add nothing to a best-of).
+  for rep in range(20):
+    t0 = time.perf_counter()
+    matmul(a, b).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+    if rep >= 2 and time.perf_counter() - start > budget_s:
+      break
+  return 2.0 * n ** 3 / best
+
+
+def _lookup_peak(device_kind: str) -> Optional[tuple[float, str]]:
+  kind = device_kind.strip().lower()
+  for pattern, name, peak in PEAK_FLOPS_TABLE:
+    if re.search(pattern, kind):
+      return peak, f"{name} dense bf16 peak (table), device_kind {device_kind!r}"
+  return None
+
+
+def peak_flops_per_device(device) -> tuple[Optional[float], str]:
+  """Peak FLOP/s of one device and where the figure comes from.
+
+  Accelerators: looked up in PEAK_FLOPS_TABLE by `device.device_kind`. CPU: the measured host
+  matmul throughput divided by the number of local CPU devices -- emulated CPU devices
+  (`jax_num_cpu_devices`) all share the same cores, so each gets that share, and per-device peak
+  times device count is the host's peak. Unknown accelerators: (None, reason), so that MFU is
+  shown as n/a instead of a wrong number.
+  """
+  if device.platform == "cpu":
+    import jax
+    num_cpu = len(jax.local_devices(backend="cpu"))
+    host = measure_cpu_matmul_peak()
+    return host / num_cpu, (f"measured float32 {_CPU_MATMUL_N}x{_CPU_MATMUL_N} matmul: host "
+                            f"{host / 1e9:.1f} GFLOP/s shared by {num_cpu} CPU device(s)")
+  found = _lookup_peak(str(device.device_kind))
+  if found is None:
+    return None, (f"unknown device kind {device.device_kind!r} (platform {device.platform}); "
+                  f"no peak FLOP/s known, MFU not reported")
+  return found
+
+
+def peak_flops_for_devices(devices: Sequence[Any]) -> tuple[Optional[float], str]:
+  """Summed peak FLOP/s over `devices` (assumed homogeneous; the first one is looked up)."""
+  if not devices:
+    return None, "no devices"
+  per_device, source = peak_flops_per_device(devices[0])
+  if per_device is None:
+    return None, source
+  return per_device * len(devices), source
+
+
+# The parameter `flops_per_token` shadows the function of that name; it is the public keyword.
+def mfu(tokens_per_sec: float, flops_per_token: float,  # pylint: disable=redefined-outer-name
+        peak_flops_total: Optional[float]) -> Optional[float]:
+  """Model FLOPs utilisation as a fraction in [0, 1]; None when the peak is unknown."""
+  if peak_flops_total is None or peak_flops_total <= 0:
+    return None
+  return float(tokens_per_sec) * float(flops_per_token) / float(peak_flops_total)
+
+
+# --------------------------------------------------------------------------------------------
+# Formatting.
+# --------------------------------------------------------------------------------------------
+
+
+def format_count(x: float, precision: int = 3) -> str:
+  """Short human form of a count: 512, 41.2k, 8.03B, 1.2T (k/M/B/T, `precision` significant)."""
+  if x is None or not math.isfinite(x):
+    return str(x)
+  for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+    if abs(x) >= scale:
+      return f"{x / scale:.{precision}g}{suffix}"
+  return f"{x:.{precision}g}"
+
+
+def format_duration(seconds: float) -> str:
+  """1h02m, 1m52s, 7s."""
+  seconds = int(round(seconds))
+  hours, rest = divmod(seconds, 3600)
+  minutes, secs = divmod(rest, 60)
+  if hours:
+    return f"{hours}h{minutes:02d}m"
+  if minutes:
+    return f"{minutes}m{secs:02d}s"
+  return f"{secs}s"
+
+
+def format_table(rows: Sequence[tuple[str, str]], title: str = "jaxtrain run") -> str:
+  """Renders (name, value) rows as two aligned columns under a title line and a rule."""
+  rows = [(str(k), str(v)) for k, v in rows]
+  key_width = max((len(k) for k, _ in rows), default=0)
+  lines = [f"{k:<{key_width}}  {v}" for k, v in rows]
+  width = max([len(title)] + [len(line) for line in lines])
+  return "\n".join([title, "-" * width] + lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Metric writers.
+# --------------------------------------------------------------------------------------------
+
+
+def _to_json_value(value: Any) -> Any:
+  """Plain Python value for JSON: numpy/jax scalars become int/float, non-finite floats None.
+
+  Non-finite floats become null because JSON has no NaN/Infinity (json.dumps would otherwise emit
+  bare `NaN`, which strict parsers reject); a null loss in the log marks a diverged step.
+  """
+  if value is None or isinstance(value, (str, bool)):
+    return value
+  if isinstance(value, np.bool_):
+    return bool(value)
+  if isinstance(value, numbers.Integral):
+    return int(value)
+  if isinstance(value, numbers.Real):
+    value = float(value)
+    return value if math.isfinite(value) else None
+  if hasattr(value, "__array__"):  # numpy / jax arrays; fetches a device value to the host.
+    array = np.asarray(value)
+    if array.size == 1:
+      return _to_json_value(array.reshape(()).item())
+    return [_to_json_value(v) for v in array.reshape(-1).tolist()]
+  if isinstance(value, Mapping):
+    return {str(k): _to_json_value(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_to_json_value(v) for v in value]
+  return str(value)
+
+
+def _float_or_none(value: Any) -> Optional[float]:
+  """A float for console/TensorBoard (NaN kept), or None for missing/non-numeric values."""
+  if value is None or isinstance(value, (str, bool)):
+    return None
+  try:
+    return float(np.asarray(value).reshape(()))
+  except (TypeError, ValueError):
+    return None
+
+
+class MetricsWriter:
+  """Writes training/eval metrics to metrics.jsonl, TensorBoard and a console progress line.
+
+  WORKDIR/metrics.jsonl gets one JSON object per call, flushed immediately so a crashed run keeps
+  every record written before the crash. The file is appended to, so a resumed run continues the
+  same log. Non-finite floats are written as null (see `_to_json_value`). Training records are
+  {"step", "loss", "learning_rate", "grad_norm", "tokens_per_sec", "mfu", ...extra keys}; eval
+  records are {"step", "eval_loss", ...extra keys}. `mfu` is a fraction (0.123 = 12.3%).
+
+  In a multi-host run create it on process 0 only.
+  """
+
+  _TRAIN_KEYS = ("loss", "learning_rate", "grad_norm", "tokens_per_sec", "mfu")
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True, total_steps: Optional[int] = None,
+               print_fn=None):
+    self.workdir = os.fspath(workdir)
+    os.makedirs(self.workdir, exist_ok=True)
+    self.total_steps = total_steps
+    self._print = print_fn or functools.partial(print, flush=True)
+    self._jsonl = open(os.path.join(self.workdir, "metrics.jsonl"), "a", encoding="utf-8")
+    self._tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # Local import: optional for jsonl-only users.
+      self._tb = SummaryWriter(logdir=os.path.join(self.workdir, "tensorboard"))
+    # (wall time, step) at the first write_train call. The rate for the ETA is measured from
+    # there, so the first logged interval -- which contains compilation -- never enters it.
+    self._anchor: Optional[tuple[float, int]] = None
+
+  # -- records --------------------------------------------------------------------------------
+
+  def _write_json(self, record: Mapping[str, Any]):
+    clean = {str(k): _to_json_value(v) for k, v in record.items()}
+    self._jsonl.write(json.dumps(clean, allow_nan=False) + "\n")
+    self._jsonl.flush()
+
+  def _write_tb(self, prefix: str, step: int, scalars: Mapping[str, Any]):
+    if self._tb is None:
+      return
+    for name, value in scalars.items():
+      value = _float_or_none(value)
+      if value is not None:
+        self._tb.add_scalar(f"{prefix}/{name}", value, global_step=step)
+    self._tb.flush()
+
+  def write_train(self, step: int, metrics: Mapping[str, Any]):
+    """Logs one training step: jsonl record, TensorBoard `train/<key>` scalars, console line."""
+    step = int(step)
+    ordered = {k: metrics[k] for k in self._TRAIN_KEYS if k in metrics}
+    ordered.update({k: v for k, v in metrics.items() if k not in ordered})
+    self._write_json({"step": step, **ordered})
+    self._write_tb("train", step, ordered)
+    self._print(self._progress_line(step, ordered))
+
+  def write_eval(self, step: int, eval_loss: Any, **extra: Any):
+    """Logs one evaluation: jsonl {"step", "eval_loss", **extra}, TensorBoard `eval/loss`."""
+    step = int(step)
+    self._write_json({"step": step, "eval_loss": eval_loss, **extra})
+    self._write_tb("eval", step, {"loss": eval_loss, **extra})
+    parts = [f"eval step {step}", f"eval_loss {_fmt(eval_loss, '.4f')}"]
+    parts += [f"{k} {_fmt(v, '.4g')}" for k, v in extra.items()]
+    self._print(" | ".join(parts))
+
+  # -- console --------------------------------------------------------------------------------
+
+  def _eta(self, step: int) -> Optional[float]:
+    now = time.perf_counter()
+    if self._anchor is None:
+      self._anchor = (now, step)
+      return None
+    t0, s0 = self._anchor
+    if not self.total_steps or step <= s0 or now <= t0:
+      return None
+    seconds_per_step = (now - t0) / (step - s0)
+    return max(0, self.total_steps - step) * seconds_per_step
+
+  def _progress_line(self, step: int, m: Mapping[str, Any]) -> str:
+    if self.total_steps:
+      width = len(str(self.total_steps))
+      parts = [f"step {step:>{width}}/{self.total_steps}"]
+    else:
+      parts = [f"step {step}"]
+    if "loss" in m:
+      parts.append(f"loss {_fmt(m['loss'], '.4f')}")
+    if "learning_rate" in m:
+      parts.append(f"lr {_fmt(m['learning_rate'], '.2e')}")
+    if "grad_norm" in m:
+      parts.append(f"gnorm {_fmt(m['grad_norm'], '.3g')}")
+    if "tokens_per_sec" in m:
+      tps = _float_or_none(m["tokens_per_sec"])
+      parts.append(f"{format_count(tps) if tps is not None else 'n/a'} tok/s")
+    if "mfu" in m:
+      value = _float_or_none(m["mfu"])
+      parts.append("MFU n/a" if value is None or not math.isfinite(value)
+                   else f"MFU {100 * value:.1f}%")
+    eta = self._eta(step)
+    if eta is not None:
+      parts.append(f"ETA {format_duration(eta)}")
+    return " | ".join(parts)
+
+  # -- lifecycle ------------------------------------------------------------------------------
+
+  def flush(self):
+    self._jsonl.flush()
+    if self._tb is not None:
+      self._tb.flush()
+
+  def close(self):
+    if not self._jsonl.closed:
+      self._jsonl.close()
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+
+  def __enter__(self) -> "MetricsWriter":
+    return self
+
+  def __exit__(self, *exc_info):
+    self.close()
+
+
+def _fmt(value: Any, spec: str) -> str:
+  number = _float_or_none(value)
+  if number is None:
+    return "n/a"
+  return format(number, spec)

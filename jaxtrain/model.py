@@ -1,0 +1,258 @@
+"""Llama 3.x decoder in Flax NNX, free of parallelism code.
+
+Every parameter names its dims with logical axes (see mesh.LOGICAL_RULES); the few activation
+constraints go through `mesh.shard`, a no-op without a mesh. Layers are stacked on a leading
+`layers` axis and applied with `nnx.scan` (or kept as a list and unrolled), each under remat with a
+named policy. Shape letters: B batch, T length, D model dim, H query heads, K kv heads, E head dim,
+F mlp dim, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtrain import attention as attention_lib
+from jaxtrain.mesh import shard
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int
+  num_layers: int
+  d_model: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  norm_eps: float = 1e-5
+  rope_theta: float = 500000.0
+  rope_scaling: tuple[tuple[str, Any], ...] | None = None  # llama3 fields, hashable
+  max_position_embeddings: int = 8192
+  tie_embeddings: bool = False
+  init_std: float = 0.02
+  scan_layers: bool = True
+  remat_policy: str = "minimal"
+  attention_impl: str = "xla"
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+
+  @classmethod
+  def from_config(cls, config) -> "ModelConfig":
+    """From the ml-collections run config (its `model` and `attention` groups)."""
+    m = config.model
+    scaling = None
+    if m.rope_scaling.type == "llama3":
+      scaling = tuple(sorted((k, v) for k, v in m.rope_scaling.to_dict().items() if k != "type"))
+    return cls(vocab_size=m.vocab_size, num_layers=m.num_layers, d_model=m.d_model,
+               num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+               mlp_dim=m.mlp_dim, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+               rope_scaling=scaling, max_position_embeddings=m.max_position_embeddings,
+               tie_embeddings=m.tie_embeddings, init_std=m.init_std, scan_layers=m.scan_layers,
+               remat_policy=m.remat_policy, attention_impl=config.attention.impl,
+               param_dtype=m.param_dtype, dtype=m.dtype)
+
+
+def remat_policy(name: str):
+  """Named remat policies. Returns None for `none` (no remat at all).
+
+  full: save only each layer's input; recompute the whole layer in the backward pass.
+  minimal: save the outputs of matmuls without dot_general batch dims, i.e. the weight
+    projections (q/k/v/o, gate/up/down); recompute attention scores and elementwise work.
+  save_dots: save every matmul output (most memory of the remat policies, least recompute).
+  save_qkv_proj: save only the q/k/v projections (named with checkpoint_name), recompute the rest.
+  """
+  policies = jax.checkpoint_policies
+  return {
+      "none": None,
+      "full": policies.nothing_saveable,
+      "minimal": policies.dots_with_no_batch_dims_saveable,
+      "save_dots": policies.dots_saveable,
+      "save_qkv_proj": policies.save_only_these_names("query_proj", "key_proj", "value_proj"),
+  }[name]
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
+  """Inverse frequencies [E/2], with Llama 3's frequency-dependent scaling when given.
+
+  Llama 3 leaves high frequencies (short wavelengths) alone, divides low frequencies by `factor`,
+  and interpolates smoothly in between, so long contexts stretch only the slow rotations.
+  """
+  inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+  if not scaling:
+    return inv_freq.astype(np.float32)
+  factor = scaling["factor"]
+  low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+  old_len = scaling["original_max_position_embeddings"]
+  wavelen = 2 * math.pi / inv_freq
+  scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+  smooth = (old_len / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x_BTNE: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotates pairs (i, i + E/2) by position * frequency (the Hugging Face Llama layout)."""
+  angles_BTF = positions_BT[..., None].astype(jnp.float32) * inv_freq
+  cos_BT1F = jnp.cos(angles_BTF)[:, :, None]
+  sin_BT1F = jnp.sin(angles_BTF)[:, :, None]
+  x1, x2 = jnp.split(x_BTNE.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos_BT1F - x2 * sin_BT1F, x2 * cos_BT1F + x1 * sin_BT1F], axis=-1)
+  return out.astype(x_BTNE.dtype)
+
+
+def _param(rngs: nnx.Rngs, shape, names, std, dtype) -> nnx.Param:
+  init = jax.nn.initializers.normal(stddev=std)
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, param_dtype):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",))
+
+  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    x32 = x_BTD.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, h, k, e = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pd = jnp.dtype(cfg.param_dtype)
+    out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)  # residual branches sum over 2L
+    self.wq_DHE = _param(rngs, (d, h, e), ("embed", "heads", "head_dim"), cfg.init_std, pd)
+    self.wk_DKE = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), cfg.init_std, pd)
+    self.wv_DKE = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), cfg.init_std, pd)
+    self.wo_HED = _param(rngs, (h, e, d), ("heads", "head_dim", "embed"), out_std, pd)
+    # Static (hashable) so it stays out of the param state; inv_freq is a trace-time constant.
+    self.rope = (e, cfg.rope_theta, cfg.rope_scaling)
+    self.impl = cfg.attention_impl
+    self.dtype = jnp.dtype(cfg.dtype)
+
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT):
+    dt = self.dtype
+    q_BTHE = jnp.einsum("BTD,DHE->BTHE", x_BTD, self.wq_DHE[...].astype(dt))
+    k_BTKE = jnp.einsum("BTD,DKE->BTKE", x_BTD, self.wk_DKE[...].astype(dt))
+    v_BTKE = jnp.einsum("BTD,DKE->BTKE", x_BTD, self.wv_DKE[...].astype(dt))
+    q_BTHE = checkpoint_name(shard(q_BTHE, ("act_batch", "act_length", "act_heads", None)),
+                             "query_proj")
+    k_BTKE = checkpoint_name(shard(k_BTKE, ("act_batch", "act_length", "act_kv_heads", None)),
+                             "key_proj")
+    v_BTKE = checkpoint_name(shard(v_BTKE, ("act_batch", "act_length", "act_kv_heads", None)),
+                             "value_proj")
+    head_dim, theta, scaling = self.rope
+    inv_freq = rope_inv_freq(head_dim, theta, dict(scaling) if scaling else None)
+    q_BTHE = apply_rope(q_BTHE, positions_BT, inv_freq)
+    k_BTKE = apply_rope(k_BTKE, positions_BT, inv_freq)
+    out_BTHE = attention_lib.attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, impl=self.impl)
+    out_BTD = jnp.einsum("BTHE,HED->BTD", out_BTHE, self.wo_HED[...].astype(dt))
+    return shard(out_BTD, ("act_batch", "act_length", "act_embed"))
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, f = cfg.d_model, cfg.mlp_dim
+    pd = jnp.dtype(cfg.param_dtype)
+    out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    self.w_gate_DF = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std, pd)
+    self.w_up_DF = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std, pd)
+    self.w_down_FD = _param(rngs, (f, d), ("mlp", "embed"), out_std, pd)
+    self.dtype = jnp.dtype(cfg.dtype)
+
+  def __call__(self, x_BTD):
+    dt = self.dtype
+    gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_gate_DF[...].astype(dt))
+    up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_up_DF[...].astype(dt))
+    h_BTF = shard(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp"))
+    out_BTD = jnp.einsum("BTF,FD->BTD", h_BTF, self.w_down_FD[...].astype(dt))
+    return shard(out_BTD, ("act_batch", "act_length", "act_embed"))
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    pd = jnp.dtype(cfg.param_dtype)
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT):
+    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT)
+    return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+
+
+class Llama(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd = jnp.dtype(cfg.param_dtype)
+    self.embed_VD = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, pd)
+    if cfg.scan_layers:
+      @nnx.split_rngs(splits=cfg.num_layers)
+      @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+      def make_stack(rngs):
+        return Block(cfg, rngs)
+      self.layers = make_stack(rngs)
+    else:
+      self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    if not cfg.tie_embeddings:
+      self.head_DV = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+                            cfg.init_std, pd)
+
+  def head_weights(self) -> jax.Array:
+    """Output projection [D, V] in the compute dtype (the embedding table when tied)."""
+    w_DV = self.embed_VD[...].T if self.cfg.tie_embeddings else self.head_DV[...]
+    return w_DV.astype(self.cfg.dtype)
+
+  def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None) -> jax.Array:
+    """Final-normed hidden states [B, T, D]; the loss applies the head in chunks."""
+    cfg = self.cfg
+    b, t = tokens_BT.shape
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    # Gather the table whole (in the compute dtype) before the lookup, as FSDP does for every
+    # weight: a gather from a vocab-sharded table makes XLA replicate the result instead.
+    table_VD = shard(self.embed_VD[...].astype(cfg.dtype), (None, None))
+    x_BTD = jnp.take(table_VD, tokens_BT, axis=0)
+    x_BTD = shard(x_BTD, ("act_batch", "act_length", "act_embed"))
+
+    def block_fn(block, x_BTD):
+      return block(x_BTD, positions_BT, segment_ids_BT)
+
+    policy_name = cfg.remat_policy
+    if policy_name != "none":
+      block_fn = nnx.remat(block_fn, policy=remat_policy(policy_name),
+                           prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+                transform_metadata={nnx.PARTITION_NAME: "layers"})
+      def run_stack(x_BTD, block):
+        return block_fn(block, x_BTD)
+      x_BTD = run_stack(x_BTD, self.layers)
+    else:
+      for block in self.layers:
+        x_BTD = block_fn(block, x_BTD)
+    return self.final_norm(x_BTD)
+
+  def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None) -> jax.Array:
+    """Logits [B, T, V] in float32 (for generation and interop; training uses the chunked loss)."""
+    x_BTD = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT)
+    logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.head_weights(),
+                            preferred_element_type=jnp.float32)
+    return shard(logits_BTV, ("act_batch", "act_length", "act_vocab"))

@@ -1,0 +1,212 @@
+"""run(): sharded init, the training loop, periodic eval, metrics. The I/O edge of training.
+
+Flow: mesh → abstract model → shardings → sharded init → loop { host batch → global array →
+jit train_step (donated state) → metrics fetched one step late → writers }.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxtrain import data as data_lib
+from jaxtrain import metrics as metrics_lib
+from jaxtrain import optim
+from jaxtrain.config import MeshShape
+from jaxtrain.mesh import batch_sharding, make_mesh
+from jaxtrain.model import ModelConfig
+from jaxtrain.sharding import abstract_model, init_params_fn
+from jaxtrain.train_step import (TrainState, jit_eval_step, jit_train_step, make_eval_step,
+                                 make_train_step, state_shardings)
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything derived from a config and a mesh before the first step runs."""
+  mesh: Mesh
+  model_cfg: ModelConfig
+  graphdef: Any
+  shardings: TrainState
+  schedule: Any
+  init_fn: Callable[[jax.Array], TrainState]
+  train_step: Callable
+  eval_step: Callable
+
+
+def build(config, mesh: Mesh) -> Setup:
+  """Abstract model, shardings and the jitted init/train/eval functions; allocates nothing."""
+  model_cfg = ModelConfig.from_config(config)
+  graphdef, abstract_params, param_shardings = abstract_model(model_cfg, mesh)
+  tx = optim.make_optimizer(config)
+  schedule = optim.learning_rate_schedule(config)
+  shardings = state_shardings(tx, abstract_params, param_shardings, mesh)
+
+  make_params = init_params_fn(model_cfg)
+
+  def init(key):
+    params = make_params(key)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+  init_fn = jax.jit(init, out_shardings=shardings)
+  step = make_train_step(graphdef, tx, schedule,
+                         grad_accum_steps=config.train.grad_accum_steps,
+                         loss_chunk_size=config.train.loss_chunk_size,
+                         param_shardings=param_shardings)
+  train_step = jit_train_step(step, shardings, mesh)
+  eval_step = jit_eval_step(make_eval_step(graphdef, config.train.loss_chunk_size),
+                            shardings.params, mesh)
+  return Setup(mesh, model_cfg, graphdef, shardings, schedule, init_fn, train_step, eval_step)
+
+
+def init_state(setup: Setup, seed: int) -> TrainState:
+  with jax.set_mesh(setup.mesh):
+    return setup.init_fn(jax.random.key(seed))
+
+
+def to_global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """The one place where host data enters devices: this process's rows become its shards of a
+  global [B, T] array split over (data, fsdp)."""
+  return {k: jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim), v)
+          for k, v in local_batch.items()}
+
+
+def evaluate(setup: Setup, params, eval_batches: Iterable[dict]) -> float:
+  """Mean token loss over the fixed eval batches."""
+  total, count = 0.0, 0.0
+  with jax.set_mesh(setup.mesh):
+    sums = [setup.eval_step(params, to_global_batch(b, setup.mesh)) for b in eval_batches]
+  for loss_sum, n in jax.device_get(sums):
+    total += float(loss_sum)
+    count += float(n)
+  return total / max(count, 1.0)
+
+
+def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConfig,
+                 peak: float | None, peak_source: str, packing: float | None) -> str:
+  t = config.train
+  devices = jax.devices()
+  n = len(devices)
+  tokens = t.global_batch_size * t.seq_len
+  per_device = t.global_batch_size / mesh_shape.batch_shards
+  rows = [
+      ("devices", f"{n} × {devices[0].device_kind} ({jax.process_count()} process(es))"),
+      ("mesh", f"data={mesh.shape['data']} fsdp={mesh.shape['fsdp']} "
+               f"tensor={mesh.shape['tensor']}"),
+      ("parameters", f"{metrics_lib.format_count(metrics_lib.count_params(model_cfg))} "
+                     f"({metrics_lib.count_params(model_cfg):,})"),
+      ("model", f"L={model_cfg.num_layers} D={model_cfg.d_model} H={model_cfg.num_heads} "
+                f"K={model_cfg.num_kv_heads} E={model_cfg.head_dim} F={model_cfg.mlp_dim} "
+                f"V={model_cfg.vocab_size}"),
+      ("global batch", f"{t.global_batch_size} seq × {t.seq_len} = {tokens:,} tokens"),
+      ("per-device batch", f"{per_device:g} seq = {per_device * t.seq_len:,.0f} tokens "
+                           f"(grad accum {t.grad_accum_steps})"),
+      ("FLOPs per token", f"{metrics_lib.format_count(metrics_lib.flops_per_token(model_cfg, t.seq_len))}"
+                          f" (6·N_matmul + 6·L·T·H·E)"),
+      ("peak FLOP/s", f"{metrics_lib.format_count(peak) if peak else 'n/a'} total ({peak_source})"),
+      ("dtypes", f"params {model_cfg.param_dtype}, compute {model_cfg.dtype}"),
+      ("layers", f"{'scan' if model_cfg.scan_layers else 'unrolled'}, remat "
+                 f"{model_cfg.remat_policy}, attention {model_cfg.attention_impl}"),
+      ("steps", f"{t.steps} (eval every {t.eval_every}, {t.eval_batches} batches)"),
+  ]
+  if packing is not None:
+    rows.append(("packing efficiency", f"{100 * packing:.1f}% non-padding tokens"))
+  return metrics_lib.format_table(rows)
+
+
+def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
+  """Trains per `config`, writing metrics under `workdir`. Returns the final train/eval loss."""
+  mesh = make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor)
+  setup = build(config, mesh)
+  t = config.train
+  is_chief = jax.process_index() == 0
+
+  train_iter = data_lib.make_train_iterator(config, process_index=jax.process_index(),
+                                            process_count=jax.process_count())
+  eval_batches = data_lib.make_eval_batches(config, process_index=jax.process_index(),
+                                            process_count=jax.process_count())
+  peak, peak_source = metrics_lib.peak_flops_for_devices(jax.devices())
+  flops_per_token = metrics_lib.flops_per_token(setup.model_cfg, t.seq_len)
+  first_batch = next(train_iter)
+  packing = float(np.mean(first_batch["loss_mask"]))
+  if is_chief:
+    print(_start_table(config, mesh, mesh_shape, setup.model_cfg, peak, peak_source, packing),
+          flush=True)
+
+  state = init_state(setup, t.seed)
+  writer = metrics_lib.MetricsWriter(workdir, tensorboard=config.log.tensorboard,
+                                     total_steps=t.steps) if is_chief else None
+  meter = _Throughput(t.global_batch_size * t.seq_len, flops_per_token, peak)
+  pending = None  # (step, device metrics), fetched after the next step is dispatched
+  last: dict[str, float] = {}
+  try:
+    with jax.set_mesh(mesh):
+      for step in range(1, t.steps + 1):
+        wait_start = time.perf_counter()
+        local = first_batch if step == 1 else next(train_iter)
+        meter.data_wait_s += time.perf_counter() - wait_start
+        state, step_metrics = setup.train_step(state, to_global_batch(local, mesh))
+        if step == 1:
+          # Step 1 includes compilation; throughput is measured from its end.
+          jax.block_until_ready(step_metrics)
+          meter.restart(step)
+        if pending is not None:
+          last.update(_log(writer, meter, *pending))
+          pending = None
+        if step % t.log_every == 0 or step == t.steps:
+          pending = (step, step_metrics)
+        if step % t.eval_every == 0 or step == t.steps:
+          eval_start = time.perf_counter()
+          last["eval_loss"] = evaluate(setup, state.params, eval_batches)
+          if writer:
+            writer.write_eval(step, last["eval_loss"])
+          meter.exclude(time.perf_counter() - eval_start)
+      if pending is not None:
+        last.update(_log(writer, meter, *pending))
+  finally:
+    if writer:
+      writer.close()
+  return {"loss": last.get("loss", float("nan")), "eval_loss": last.get("eval_loss", float("nan"))}
+
+
+class _Throughput:
+  """Tokens/s and MFU over the steps between two logged steps (eval time excluded)."""
+
+  def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None):
+    self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
+    self.start_time, self.start_step, self.data_wait_s, self.paused_s = None, 0, 0.0, 0.0
+
+  def restart(self, step: int):
+    self.start_time, self.start_step = time.perf_counter(), step
+    self.data_wait_s = self.paused_s = 0.0
+
+  def exclude(self, seconds: float):
+    """Time spent outside training (eval) in the current interval."""
+    self.paused_s += seconds
+
+  def measure(self, step: int) -> dict[str, float | None]:
+    steps = step - self.start_step
+    elapsed = (time.perf_counter() - self.start_time - self.paused_s) if self.start_time else 0.0
+    if steps <= 0 or elapsed <= 0:
+      return {"tokens_per_sec": None, "mfu": None, "data_wait_s": None}
+    tokens_per_sec = self.tokens_per_step * steps / elapsed
+    out = {"tokens_per_sec": tokens_per_sec,
+           "mfu": metrics_lib.mfu(tokens_per_sec, self.flops_per_token, self.peak),
+           "data_wait_s": self.data_wait_s / steps}
+    self.restart(step)
+    return out
+
+
+def _log(writer, meter: _Throughput, step: int, device_metrics) -> dict[str, float]:
+  m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+  record = {"loss": m["loss"], "learning_rate": m["learning_rate"],
+            "grad_norm": m["grad_norm"], **meter.measure(step), "tokens": m["tokens"]}
+  if writer:
+    writer.write_train(step, record)
+  return {"loss": m["loss"]}

@@ -1,0 +1,1 @@
+"""Pallas kernels owned by jaxtrain; each ships with a pure-jnp reference and an interpret flag."""

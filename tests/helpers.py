@@ -1,0 +1,54 @@
+"""Small shared builders for tests: configs, meshes, synthetic packed batches."""
+
+import jax
+import numpy as np
+from jax.sharding import AxisType
+
+from jaxtrain.config import default_config
+
+
+def small_config(**model_overrides):
+  """A config whose dims divide every test mesh: H=8, K=4, D=64, F=128, V=128."""
+  c = default_config()
+  m = c.model
+  m.vocab_size, m.num_layers, m.d_model = 128, 2, 64
+  m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = 8, 4, 8, 128
+  m.max_position_embeddings = 256
+  m.remat_policy = "none"
+  for k, v in model_overrides.items():
+    setattr(m, k, v)
+  c.train.seq_len = 32
+  c.train.global_batch_size = 8
+  c.train.loss_chunk_size = 16
+  c.train.steps = 10
+  c.optim.warmup_steps = 2
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 1, 1
+  return c
+
+
+def mesh_of(shape):
+  """A (data, fsdp, tensor) mesh over the first prod(shape) devices."""
+  n = int(np.prod(shape))
+  return jax.make_mesh(tuple(shape), ("data", "fsdp", "tensor"),
+                       axis_types=(AxisType.Auto,) * 3, devices=jax.devices()[:n])
+
+
+def packed_batch(batch_size, seq_len, vocab, seed=0, docs_per_row=2):
+  """A batch in the trainer's format: rows of `docs_per_row` packed documents, a padded tail."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, vocab, (batch_size, seq_len + 1)).astype(np.int32)
+  segment_ids = np.zeros((batch_size, seq_len), np.int32)
+  positions = np.zeros((batch_size, seq_len), np.int32)
+  for b in range(batch_size):
+    used = seq_len - int(rng.integers(0, seq_len // 4))  # the rest is padding
+    cuts = np.sort(rng.choice(np.arange(1, used), docs_per_row - 1, replace=False))
+    bounds = [0, *cuts.tolist(), used]
+    for i in range(docs_per_row):
+      lo, hi = bounds[i], bounds[i + 1]
+      segment_ids[b, lo:hi] = i + 1
+      positions[b, lo:hi] = np.arange(hi - lo)
+  return {
+      "inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+      "loss_mask": (segment_ids > 0).astype(np.float32),
+      "segment_ids": segment_ids, "positions": positions,
+  }
