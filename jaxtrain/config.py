@@ -8,6 +8,8 @@ the CLI prints as one line before exiting with code 2.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 
 import ml_collections
 from ml_collections import config_dict
@@ -93,6 +95,15 @@ def default_config() -> ml_collections.ConfigDict:
   return c
 
 
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+  """`get_config()` of a config file (what `--config=PATH` loads), for scripts and tests."""
+  name = "jaxtrain_config_" + os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
   data: int
@@ -121,8 +132,10 @@ def resolve_mesh_shape(config, num_devices: int) -> MeshShape:
       fixed *= s
   if free:
     if num_devices % fixed:
-      raise ConfigError(f"mesh.{free[0]}=-1: the other axes multiply to {fixed}, which does not "
-                        f"divide the {num_devices} devices; choose sizes whose product divides it")
+      given = " ".join(f"mesh.{n}={s}" for n, s in sizes.items())
+      raise ConfigError(f"{given}: the fixed axes multiply to {fixed}, which does not divide the "
+                        f"{num_devices} devices, so mesh.{free[0]}=-1 cannot fill them; choose "
+                        f"sizes whose product divides {num_devices}")
     sizes[free[0]] = num_devices // fixed
   elif fixed != num_devices:
     raise ConfigError(f"mesh.data*mesh.fsdp*mesh.tensor={sizes['data']}*{sizes['fsdp']}*"

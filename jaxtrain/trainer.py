@@ -162,6 +162,9 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
         if step % t.log_every == 0 or step == t.steps:
           pending = (step, step_metrics)
         if step % t.eval_every == 0 or step == t.steps:
+          # Finish the queued train steps first: only the eval itself is excluded from
+          # the throughput interval.
+          jax.block_until_ready(state.params)
           eval_start = time.perf_counter()
           last["eval_loss"] = evaluate(setup, state.params, eval_batches)
           if writer:

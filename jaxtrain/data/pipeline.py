@@ -1,0 +1,244 @@
+"""Deterministic Grain input pipeline: documents -> pieces -> shuffle -> pack -> batch.
+
+Stages, each replaceable on its own when real tokenized corpora arrive:
+  1. source: random access to documents as token arrays (`data.source` picks one),
+  2. pieces: every document cut into pieces of at most T+1 tokens (T = train.seq_len), so each
+     piece gives at most T (input, target) pairs and every target token is predicted once,
+  3. a per-process slice of the pieces, shuffled by `data.seed`, reshuffled every epoch,
+  4. first-fit packing of pieces into rows of T (grain), which keeps each piece whole,
+  5. batching to [B_local, T] and the trainer's batch format (`BATCH_KEYS`).
+
+Batch format, every array [B_local, T] with B_local = train.global_batch_size // process_count:
+  inputs       int32    token ids
+  targets      int32    next token ids (for a piece p: inputs = p[:-1], targets = p[1:])
+  loss_mask    float32  1.0 where the target is real, 0.0 on padding
+  segment_ids  int32    1, 2, 3, ... per packed piece within the row, 0 on padding
+  positions    int32    position within the piece, restarting at 0 per segment; 0 on padding
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+
+import grain
+import numpy as np
+
+from jaxtrain.config import ConfigError
+from jaxtrain.data import stdlib_corpus
+
+BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
+
+# Pieces packed together before rows are emitted. More bins pack the short document tails more
+# tightly (higher efficiency) at the cost of memory (bins x T tokens) and of mixing more pieces;
+# with 64 bins the stdlib corpus packs at 99.9% (T=64), 99.6% (T=256), 99.1% (T=1024).
+_NUM_PACKING_BINS = 64
+# Offset so the eval shuffle never equals the train shuffle for the same data.seed.
+_EVAL_SEED_OFFSET = 1_000_003
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSpec:
+  """A registered document source: how to load it and the smallest vocab that covers it."""
+  load: Callable[[float], tuple[object, object]]  # eval_fraction -> (train, eval) sources
+  min_vocab_size: int
+
+
+SOURCES = {
+    "stdlib_bytes": SourceSpec(load=stdlib_corpus.load_stdlib_splits,
+                               min_vocab_size=stdlib_corpus.BYTE_VOCAB_SIZE),
+}
+
+
+def _source_spec(config) -> SourceSpec:
+  name = config.data.source
+  if name not in SOURCES:
+    raise ConfigError(f"data.source={name!r}: unknown data source; choose one of "
+                      f"{', '.join(sorted(SOURCES))}")
+  spec = SOURCES[name]
+  if config.model.vocab_size < spec.min_vocab_size:
+    raise ConfigError(f"model.vocab_size={config.model.vocab_size}: data.source={name!r} has "
+                      f"token ids up to {spec.min_vocab_size - 1}; use a vocab size >= "
+                      f"{spec.min_vocab_size}")
+  return spec
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(name: str, eval_fraction: float):
+  # In memory only: the train iterator, eval batches and `describe` each need the corpus, and
+  # reading it once per process keeps startup to about half a second.
+  return SOURCES[name].load(eval_fraction)
+
+
+def load_sources(config):
+  """(train, eval) document sources for `config.data`, after validating source and vocab."""
+  _source_spec(config)
+  return _load_cached(config.data.source, float(config.data.eval_fraction))
+
+
+def piece_index(doc_lengths_N: np.ndarray, seq_len: int) -> np.ndarray:
+  """[P, 3] int64 rows (doc, start, stop): pieces of at most seq_len+1 tokens.
+
+  Consecutive pieces overlap by one token (a piece's last token is the next piece's first input),
+  so every token after a document's first is a target exactly once. Documents of one token give
+  no (input, target) pair and no piece.
+  """
+  lengths_N = np.asarray(doc_lengths_N, dtype=np.int64)
+  pieces_N = np.maximum(lengths_N - 1 + seq_len - 1, 0) // seq_len  # ceil((len-1) / T)
+  doc_P = np.repeat(np.arange(len(lengths_N), dtype=np.int64), pieces_N)
+  first_P = np.repeat(np.cumsum(pieces_N) - pieces_N, pieces_N)
+  start_P = (np.arange(len(doc_P), dtype=np.int64) - first_P) * seq_len
+  stop_P = np.minimum(start_P + seq_len + 1, lengths_N[doc_P])
+  return np.stack([doc_P, start_P, stop_P], axis=1)
+
+
+class _ReadPiece:
+  """(doc, start, stop) -> {"inputs", "targets"}; a class, not a closure, so it pickles by
+  reference into grain's worker processes."""
+
+  def __init__(self, source):
+    self._source = source
+
+  def __call__(self, piece_3):
+    tokens = self._source.read(int(piece_3[0]), int(piece_3[1]), int(piece_3[2]))
+    return {"inputs": tokens[:-1], "targets": tokens[1:]}
+
+
+def _to_batch_format(packed):
+  """Grain's packed names -> `BATCH_KEYS`. Inputs and targets are packed identically, so the
+  targets' segment ids and positions serve both."""
+  segment_ids_BT = packed["targets_segment_ids"].astype(np.int32)
+  return {
+      "inputs": packed["inputs"].astype(np.int32),
+      "targets": packed["targets"].astype(np.int32),
+      "loss_mask": (segment_ids_BT > 0).astype(np.float32),
+      "segment_ids": segment_ids_BT,
+      "positions": packed["targets_positions"].astype(np.int32),
+  }
+
+
+def _local_batch_size(config, process_count: int) -> int:
+  gbs = config.train.global_batch_size
+  if process_count <= 0 or gbs % process_count:
+    raise ConfigError(f"train.global_batch_size={gbs}: must be divisible by the process count "
+                      f"{process_count}; use a multiple of it")
+  return gbs // process_count
+
+
+def _check_process(process_index: int, process_count: int):
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} must be in [0, {process_count})")
+
+
+def _ensure_absl_flags_parsed():
+  """grain's worker processes read absl flags; reading unparsed flags raises. A CLI using
+  `app.run` has parsed them already; library callers (tests, notebooks) have not."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
+def packed_batch_dataset(source, config, *, seed: int, shuffle: bool, process_index: int = 0,
+                         process_count: int = 1, num_workers: int = 0) -> grain.IterDataset:
+  """Infinite IterDataset of batches in `BATCH_KEYS` format from any document source.
+
+  `source` needs `doc_lengths()` and `read(doc, start, stop)` (see
+  `stdlib_corpus.ByteDocumentSource`); it must pickle when num_workers > 0.
+  """
+  _check_process(process_index, process_count)
+  seq_len = config.train.seq_len
+  batch_size = _local_batch_size(config, process_count)
+  pieces_P3 = piece_index(source.doc_lengths(), seq_len)
+  if len(pieces_P3) < process_count:
+    raise ValueError(f"data.source={config.data.source!r}: {len(pieces_P3)} pieces cannot be "
+                     f"shared by {process_count} processes")
+  # Shard before shuffling: each process owns a fixed, disjoint slice of the pieces and shuffles
+  # it independently, so no process ever reads another's data.
+  ds = grain.MapDataset.source(pieces_P3)[process_index::process_count]
+  if shuffle:
+    ds = ds.shuffle(seed=seed)
+  # repeat() after shuffle(): grain folds the epoch into the shuffle seed, so each epoch gets a
+  # different order while staying deterministic. Eval repeats too, so a tiny split still fills
+  # the requested number of batches.
+  ds = ds.repeat().map(_ReadPiece(source))
+  # Reading a piece is one numpy slice: read threads only add GIL contention (B=16, T=256: 730
+  # batches/s with none, 180 with 2, 120 with grain's default 16). Background work, where
+  # wanted, comes from data.num_workers processes.
+  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  it = grain.experimental.FirstFitPackIterDataset(
+      it, length_struct={"inputs": seq_len, "targets": seq_len},
+      num_packing_bins=_NUM_PACKING_BINS, seed=seed, shuffle_bins=shuffle)
+  it = it.batch(batch_size, drop_remainder=True).map(_to_batch_format)
+  if num_workers > 0:
+    _ensure_absl_flags_parsed()
+    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+  return it
+
+
+def make_train_iterator(config, *, process_index: int = 0,
+                        process_count: int = 1) -> grain.DatasetIterator:
+  """Infinite iterator over this process's training batches (see module doc for the format).
+
+  Deterministic given `data.seed`, the process index/count and `data.num_workers` (grain's
+  multiprocessing packs per worker, so changing the worker count changes the stream). Supports
+  `get_state()` / `set_state()` for exact resumption.
+  """
+  train_source, _ = load_sources(config)
+  ds = packed_batch_dataset(train_source, config, seed=int(config.data.seed), shuffle=True,
+                            process_index=process_index, process_count=process_count,
+                            num_workers=int(config.data.num_workers))
+  return iter(ds)
+
+
+def make_eval_batches(config, *, process_index: int = 0,
+                      process_count: int = 1) -> list[dict[str, np.ndarray]]:
+  """Exactly `train.eval_batches` batches of this process's eval split, identical every call.
+
+  A fixed-seed shuffle of the eval pieces (independent of training progress), so every
+  evaluation scores the same tokens and losses are comparable across steps. Built in-process:
+  a few batches do not justify starting workers.
+  """
+  _, eval_source = load_sources(config)
+  ds = packed_batch_dataset(eval_source, config,
+                            seed=int(config.data.seed) + _EVAL_SEED_OFFSET, shuffle=True,
+                            process_index=process_index, process_count=process_count)
+  it = iter(ds)
+  return [next(it) for _ in range(config.train.eval_batches)]
+
+
+def packing_stats(batches) -> dict[str, float]:
+  """Packing efficiency (mean loss_mask: fraction of target slots that are real tokens) and
+  mean packed pieces per row, over an iterable of batches."""
+  real = slots = segments = rows = 0
+  for b in batches:
+    real += float(b["loss_mask"].sum())
+    slots += b["loss_mask"].size
+    segments += int(b["segment_ids"].max(axis=1).sum())
+    rows += b["segment_ids"].shape[0]
+  return {"packing_efficiency": real / max(slots, 1), "pieces_per_row": segments / max(rows, 1)}
+
+
+def describe(config, *, num_batches: int = 8) -> dict[str, object]:
+  """Facts the trainer logs at startup: split sizes, unigram-entropy baseline (the loss of a
+  context-free model, in nats per token) and the packing efficiency of the first train batches."""
+  train_source, eval_source = load_sources(config)
+  # In-process even when data.num_workers > 0: a few batches do not justify starting workers.
+  it = iter(packed_batch_dataset(train_source, config, seed=int(config.data.seed),
+                                 shuffle=True))
+  stats = packing_stats(_take(it, num_batches))
+  return {
+      "source": config.data.source,
+      "train_docs": len(train_source),
+      "eval_docs": len(eval_source),
+      "train_tokens": train_source.num_tokens(),
+      "eval_tokens": eval_source.num_tokens(),
+      "train_unigram_entropy": stdlib_corpus.unigram_entropy(
+          train_source[i] for i in range(len(train_source))),
+      **stats,
+  }
+
+
+def _take(it: Iterator, n: int):
+  for _ in range(n):
+    yield next(it)
