@@ -44,16 +44,17 @@ def main(argv):
   _maybe_initialize_distributed()
   import jax  # pylint: disable=import-outside-toplevel
   from jaxtrain.config import ConfigError, validate  # pylint: disable=import-outside-toplevel
-  try:
-    mesh_shape = validate(config, jax.device_count(), jax.default_backend())
-  except ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
-    sys.exit(2)
-
   from jaxtrain import trainer  # pylint: disable=import-outside-toplevel
   workdir = _WORKDIR.value or _default_workdir()
   start = time.perf_counter()
-  result = trainer.run(config, workdir, mesh_shape)
+  try:
+    mesh_shape = validate(config, jax.device_count(), jax.default_backend())
+    # Checks that need the data (tokenizer vs vocab, batch vs process count) raise ConfigError
+    # from inside run(), still before anything compiles.
+    result = trainer.run(config, workdir, mesh_shape)
+  except ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    sys.exit(2)
   if jax.process_index() == 0:
     print(f"done in {time.perf_counter() - start:.1f}s: final loss {result['loss']:.4f}, "
           f"eval loss {result['eval_loss']:.4f}; metrics in {os.path.join(workdir, 'metrics.jsonl')}",

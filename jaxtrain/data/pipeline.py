@@ -5,7 +5,9 @@ Stages, each replaceable on its own when real tokenized corpora arrive:
   2. pieces: every document cut into pieces of at most T+1 tokens (T = train.seq_len), so each
      piece gives at most T (input, target) pairs and every target token is predicted once,
   3. a per-process slice of the pieces, shuffled by `data.seed`, reshuffled every epoch,
-  4. first-fit packing of pieces into rows of T (grain), which keeps each piece whole,
+  4. first-fit packing of pieces into rows of T (grain), which keeps each piece whole; the
+     packer emits rows in shuffled groups of `_NUM_PACKING_BINS`, so epoch edges blur by up to
+     that many rows,
   5. batching to [B_local, T] and the trainer's batch format (`BATCH_KEYS`).
 
 Batch format, every array [B_local, T] with B_local = train.global_batch_size // process_count:
@@ -182,7 +184,9 @@ def make_train_iterator(config, *, process_index: int = 0,
 
   Deterministic given `data.seed`, the process index/count and `data.num_workers` (grain's
   multiprocessing packs per worker, so changing the worker count changes the stream). Supports
-  `get_state()` / `set_state()` for exact resumption.
+  `get_state()` / `set_state()` for exact resumption (the state is JSON-serializable). With
+  workers, call `close()` when done; spawned workers re-import `__main__`, so scripts need an
+  `if __name__ == "__main__":` guard.
   """
   train_source, _ = load_sources(config)
   ds = packed_batch_dataset(train_source, config, seed=int(config.data.seed), shuffle=True,
