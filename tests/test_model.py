@@ -1,0 +1,451 @@
+"""Tests for jaxtrain.model: shapes, causality, packing, scan/remat equivalence, sharding, RoPE."""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxtrain import config as config_lib
+from jaxtrain import mesh as mesh_lib
+from jaxtrain import metrics
+from jaxtrain.mesh import LOGICAL_RULES
+from jaxtrain.model import ModelConfig, apply_rope, rope_inv_freq
+from jaxtrain.sharding import abstract_model, create_model, init_params_fn
+
+B, T = 2, 16
+CFG = ModelConfig(vocab_size=128, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
+                  head_dim=16, mlp_dim=128)
+LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers: jitted pure functions of (graphdef, params) so compiled code is shared across tests.
+# --------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef, params, tokens, positions=None, segment_ids=None):
+  return nnx.merge(graphdef, params)(tokens, positions, segment_ids)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _hidden(graphdef, params, tokens):
+  return nnx.merge(graphdef, params).hidden_states(tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits_and_grads(graphdef, params, tokens, weights):
+  """(logits, d loss / d params) for the scalar loss sum(logits * weights)."""
+  def loss(params):
+    logits = nnx.merge(graphdef, params)(tokens)
+    return jnp.sum(logits * weights), logits
+  (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+  return logits, grads
+
+
+def _with_values(cfg, mesh, pure):
+  """(graphdef, params) for `cfg` holding the given pure-dict values; no init is compiled.
+
+  `create_model` compiles the random init (seconds on CPU), so variants that must share the
+  base model's values take its layout from `abstract_model` and fill in the arrays.
+  """
+  graphdef, params, _ = abstract_model(cfg, mesh)
+  nnx.replace_by_pure_dict(params, jax.tree.map(jnp.asarray, pure))
+  return graphdef, params
+
+
+def _pure(state):
+  """Plain nested dict of numpy arrays."""
+  return jax.tree.map(np.asarray, nnx.to_pure_dict(state))
+
+
+def _stacked_to_list(pure, num_layers):
+  """Scanned layout (`layers` leaves stacked [L, ...]) -> unrolled (`layers` -> {i: ...})."""
+  out = dict(pure)
+  out["layers"] = {i: jax.tree.map(lambda x, i=i: x[i], pure["layers"]) for i in range(num_layers)}
+  return out
+
+
+def _assert_trees_close(got, want, atol, rtol=0.0):
+  got_flat = jax.tree_util.tree_flatten_with_path(got)[0]
+  want_flat = jax.tree_util.tree_flatten_with_path(want)[0]
+  assert [p for p, _ in got_flat] == [p for p, _ in want_flat]
+  for (path, g), (_, w) in zip(got_flat, want_flat):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=atol, rtol=rtol,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def _tokens(seed=0, b=B, t=T, vocab=CFG.vocab_size):
+  return np.random.default_rng(seed).integers(0, vocab, (b, t), dtype=np.int32)
+
+
+@pytest.fixture(scope="module")
+def mesh1():
+  return mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def base(mesh1):
+  """(graphdef, params) of the base scanned model, seed 0."""
+  return nnx.split(create_model(CFG, mesh1, seed=0))
+
+
+@pytest.fixture(scope="module")
+def grad_weights():
+  return jax.random.normal(jax.random.key(42), (B, T, CFG.vocab_size), jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def base_logits_and_grads(mesh1, base, grad_weights):
+  graphdef, params = base
+  with jax.set_mesh(mesh1):
+    logits, grads = _logits_and_grads(graphdef, params, _tokens(), grad_weights)
+  return np.asarray(logits), _pure(grads)
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes, causality, packing.
+# --------------------------------------------------------------------------------------------
+
+
+def test_output_shapes(mesh1, base):
+  graphdef, params = base
+  tokens = _tokens()
+  with jax.set_mesh(mesh1):
+    logits = _logits(graphdef, params, tokens)
+    hidden = _hidden(graphdef, params, tokens)
+  assert logits.shape == (B, T, CFG.vocab_size) and logits.dtype == jnp.float32
+  assert hidden.shape == (B, T, CFG.d_model) and hidden.dtype == jnp.float32
+  assert np.all(np.isfinite(np.asarray(logits)))
+  # Logits are the head applied to the final hidden states.
+  model = nnx.merge(graphdef, params)
+  np.testing.assert_allclose(logits, np.asarray(hidden) @ np.asarray(model.head_weights()),
+                             atol=1e-5, rtol=1e-5)
+
+
+def test_default_positions_and_segments(mesh1, base):
+  """No positions means 0..T-1; no segment ids means one document per row."""
+  graphdef, params = base
+  tokens = _tokens()
+  positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+  with jax.set_mesh(mesh1):
+    default = _logits(graphdef, params, tokens)
+    explicit = _logits(graphdef, params, tokens, positions, np.ones((B, T), np.int32))
+  np.testing.assert_allclose(default, explicit, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("t", [0, 5, T - 1])
+def test_causality(mesh1, base, t):
+  graphdef, params = base
+  tokens = _tokens()
+  changed = tokens.copy()
+  changed[:, t] = (changed[:, t] + 1 + np.arange(B)) % CFG.vocab_size
+  with jax.set_mesh(mesh1):
+    before = np.asarray(_logits(graphdef, params, tokens))
+    after = np.asarray(_logits(graphdef, params, changed))
+  np.testing.assert_allclose(after[:, :t], before[:, :t], atol=1e-6, rtol=0)
+  assert np.all(np.abs(after[:, t] - before[:, t]).max(axis=-1) > 1e-4)
+  if t + 1 < T:  # and the change propagates forward
+    assert np.all(np.abs(after[:, t + 1:] - before[:, t + 1:]).max(axis=-1) > 1e-6)
+
+
+def test_packed_segments_do_not_interact(mesh1, base):
+  """Packing A then B in one row gives each document the logits it has alone."""
+  graphdef, params = base
+  la, lb = 6, 10
+  rng = np.random.default_rng(3)
+  doc_a = rng.integers(0, CFG.vocab_size, la, dtype=np.int32)
+  doc_b = rng.integers(0, CFG.vocab_size, lb, dtype=np.int32)
+  pad_a = rng.integers(0, CFG.vocab_size, T - la, dtype=np.int32)  # filler, segment 0
+  pad_b = rng.integers(0, CFG.vocab_size, T - lb, dtype=np.int32)
+  tokens = np.stack([
+      np.concatenate([doc_a, doc_b]),  # packed: A | B
+      np.concatenate([doc_b, pad_b]),  # B alone, then padding
+      np.concatenate([doc_a, pad_a]),  # A alone, then padding
+      np.concatenate([doc_b, doc_a]),  # packed the other way: B | A (other segment ids)
+  ])
+  segment_ids = np.array([
+      [1] * la + [2] * lb,
+      [1] * lb + [0] * (T - lb),
+      [1] * la + [0] * (T - la),
+      [7] * lb + [3] * la,
+  ], dtype=np.int32)
+  positions = np.array([
+      list(range(la)) + list(range(lb)),
+      list(range(lb)) + list(range(T - lb)),
+      list(range(la)) + list(range(T - la)),
+      list(range(lb)) + list(range(la)),
+  ], dtype=np.int32)
+  with jax.set_mesh(mesh1):
+    logits = np.asarray(_logits(graphdef, params, tokens, positions, segment_ids))
+  assert np.all(np.isfinite(logits))
+  b_alone, a_alone = logits[1, :lb], logits[2, :la]
+  np.testing.assert_allclose(logits[0, la:], b_alone, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(logits[0, :la], a_alone, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(logits[3, :lb], b_alone, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(logits[3, lb:], a_alone, atol=1e-5, rtol=0)
+  # Sanity: without segment ids B's logits do depend on the A before it.
+  with jax.set_mesh(mesh1):
+    unpacked = np.asarray(_logits(graphdef, params, tokens, positions,
+                                  np.ones_like(segment_ids)))
+  assert np.abs(unpacked[0, la:] - b_alone).max() > 1e-4
+
+
+# --------------------------------------------------------------------------------------------
+# Equivalent model variants: scan vs unrolled, remat policies.
+# --------------------------------------------------------------------------------------------
+
+
+def test_scan_matches_unrolled(mesh1, base, base_logits_and_grads, grad_weights):
+  _, scanned_params = base
+  scanned_logits, scanned_grads = base_logits_and_grads
+  cfg = dataclasses.replace(CFG, scan_layers=False)
+  graphdef, params, _ = abstract_model(cfg, mesh1)
+  assert isinstance(nnx.merge(graphdef, params).layers, nnx.List)
+  unrolled_layout = _stacked_to_list(_pure(scanned_params), CFG.num_layers)
+  want_shapes = jax.tree.map(lambda x: x.shape, unrolled_layout)
+  assert jax.tree.map(lambda x: x.shape, nnx.to_pure_dict(params)) == want_shapes
+  nnx.replace_by_pure_dict(params, jax.tree.map(jnp.asarray, unrolled_layout))
+  _assert_trees_close(_pure(params), unrolled_layout, atol=0)
+  with jax.set_mesh(mesh1):
+    logits, grads = _logits_and_grads(graphdef, params, _tokens(), grad_weights)
+  np.testing.assert_allclose(logits, scanned_logits, atol=1e-5, rtol=0)
+  _assert_trees_close(_pure(grads), _stacked_to_list(scanned_grads, CFG.num_layers),
+                      atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "save_dots", "save_qkv_proj"])
+def test_remat_policies_match(mesh1, base, base_logits_and_grads, grad_weights, policy):
+  """Every remat policy gives the same params, logits and grads as the base (`minimal`)."""
+  assert CFG.remat_policy == "minimal"
+  _, base_params = base
+  want_logits, want_grads = base_logits_and_grads
+  cfg = dataclasses.replace(CFG, remat_policy=policy)
+  # Same params for the same seed: the init program is identical (remat changes only the
+  # forward pass), so its values are too; and the layout (shapes, shardings) is the same.
+  key = jax.random.key(0)
+  with jax.set_mesh(mesh1):
+    assert (str(jax.make_jaxpr(init_params_fn(cfg))(key))
+            == str(jax.make_jaxpr(init_params_fn(CFG))(key)))
+  graphdef, params = _with_values(cfg, mesh1, _pure(base_params))
+  assert jax.tree.structure(params) == jax.tree.structure(base_params)
+  with jax.set_mesh(mesh1):
+    logits, grads = _logits_and_grads(graphdef, params, _tokens(), grad_weights)
+  np.testing.assert_allclose(logits, want_logits, atol=1e-6, rtol=0)
+  _assert_trees_close(_pure(grads), want_grads, atol=1e-6, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Embeddings and parameter count.
+# --------------------------------------------------------------------------------------------
+
+
+def test_tied_embeddings(mesh1, base):
+  cfg = dataclasses.replace(CFG, tie_embeddings=True)
+  # The tied layout is the untied one without the head; reuse the base values (see _with_values).
+  _, abstract, _ = abstract_model(cfg, mesh1)
+  assert "head_DV" not in nnx.to_pure_dict(abstract)
+  pure = _pure(base[1])
+  del pure["head_DV"]
+  graphdef, params = _with_values(cfg, mesh1, pure)
+  model = nnx.merge(graphdef, params)
+  assert not hasattr(model, "head_DV")
+  assert sum(x.size for x in jax.tree.leaves(params)) == metrics.count_params(cfg)
+  assert metrics.count_params(cfg) == metrics.count_params(CFG) - CFG.d_model * CFG.vocab_size
+  np.testing.assert_array_equal(np.asarray(model.head_weights()), pure["embed_VD"].T)
+  with jax.set_mesh(mesh1):
+    logits = _logits(graphdef, params, _tokens())
+    hidden = _hidden(graphdef, params, _tokens())
+  np.testing.assert_allclose(logits, np.asarray(hidden) @ pure["embed_VD"].T, atol=1e-5, rtol=1e-5)
+
+
+def test_untied_param_count(base):
+  _, params = base
+  pure = _pure(params)
+  assert pure["head_DV"].shape == (CFG.d_model, CFG.vocab_size)
+  assert sum(x.size for x in jax.tree.leaves(pure)) == metrics.count_params(CFG)
+  assert pure["layers"]["attn"]["wq_DHE"].shape == (CFG.num_layers, CFG.d_model, CFG.num_heads,
+                                                    CFG.head_dim)
+
+
+# --------------------------------------------------------------------------------------------
+# Sharding on a (data=1, fsdp=2, tensor=4) mesh.
+# --------------------------------------------------------------------------------------------
+
+
+MESH_CFG = ModelConfig(vocab_size=128, num_layers=2, d_model=64, num_heads=8, num_kv_heads=4,
+                       head_dim=16, mlp_dim=128)
+EXPECTED_SPECS = {
+    ("embed_VD",): P("tensor", "fsdp"),
+    ("head_DV",): P("fsdp", "tensor"),
+    ("final_norm", "scale"): P(None),
+    ("layers", "attn", "wq_DHE"): P(None, "fsdp", "tensor", None),
+    ("layers", "attn", "wk_DKE"): P(None, "fsdp", "tensor", None),
+    ("layers", "attn", "wv_DKE"): P(None, "fsdp", "tensor", None),
+    ("layers", "attn", "wo_HED"): P(None, "tensor", None, "fsdp"),
+    ("layers", "attn_norm", "scale"): P(None, None),
+    ("layers", "mlp", "w_gate_DF"): P(None, "fsdp", "tensor"),
+    ("layers", "mlp", "w_up_DF"): P(None, "fsdp", "tensor"),
+    ("layers", "mlp", "w_down_FD"): P(None, "tensor", "fsdp"),
+    ("layers", "mlp_norm", "scale"): P(None, None),
+}
+
+
+def _path_names(path):
+  return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+
+
+def test_params_sharded_by_logical_axes(mesh1):
+  assert len(jax.devices()) == 8
+  mesh = mesh_lib.make_mesh(1, 2, 4)
+  model = create_model(MESH_CFG, mesh, seed=0)
+  state = nnx.state(model)
+  rules = dict(LOGICAL_RULES)
+
+  # Every Param names each of its dims with a logical axis from LOGICAL_RULES.
+  variables = jax.tree_util.tree_leaves_with_path(
+      state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  seen = set()
+  for path, var in variables:
+    assert isinstance(var, nnx.Param), path
+    names = var.get_metadata().get("out_sharding")
+    value = var[...]
+    assert names is not None and len(names) == value.ndim, (path, names)
+    assert all(n in rules for n in names), (path, names)
+    seen.add(_path_names(path))
+  assert seen == set(EXPECTED_SPECS)
+
+  # The arrays are actually laid out by those rules.
+  arrays = jax.tree_util.tree_leaves_with_path(state)
+  assert len(arrays) == len(EXPECTED_SPECS)
+  for path, arr in arrays:
+    names = _path_names(path)
+    names = names[:-1] if names[-1] == "value" else names
+    want = NamedSharding(mesh, EXPECTED_SPECS[names])
+    assert arr.sharding.is_equivalent_to(want, arr.ndim), (names, arr.sharding.spec)
+  wq = state["layers"]["attn"]["wq_DHE"][...]
+  assert wq.sharding.spec == P(None, "fsdp", "tensor", None)
+  assert wq.sharding.shard_shape(wq.shape) == (2, 32, 2, 16)
+  assert state["embed_VD"][...].sharding.spec == P("tensor", "fsdp")
+
+  # The sharded model computes what the same params compute on one device.
+  tokens = _tokens(seed=5)
+  with jax.set_mesh(mesh):
+    logits = _logits(*nnx.split(model), tokens)
+  assert logits.sharding.mesh.shape == mesh.shape
+  with jax.set_mesh(mesh1):
+    want = _logits(*_with_values(MESH_CFG, mesh1, _pure(state)), tokens)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(want), atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# RoPE.
+# --------------------------------------------------------------------------------------------
+
+
+def _llama31_inv_freq(head_dim, theta, factor, low_freq_factor, high_freq_factor,
+                      original_max_position_embeddings):
+  """Straight from the Llama 3.1 reference (`apply_scaling`), one frequency at a time."""
+  freqs = [1.0 / (theta ** (i / head_dim)) for i in range(0, head_dim, 2)]
+  low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+  high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+  new_freqs, kinds = [], []
+  for freq in freqs:
+    wavelen = 2 * math.pi / freq
+    if wavelen < high_freq_wavelen:
+      new_freqs.append(freq)
+      kinds.append("keep")
+    elif wavelen > low_freq_wavelen:
+      new_freqs.append(freq / factor)
+      kinds.append("scale")
+    else:
+      smooth = ((original_max_position_embeddings / wavelen - low_freq_factor)
+                / (high_freq_factor - low_freq_factor))
+      new_freqs.append((1 - smooth) * freq / factor + smooth * freq)
+      kinds.append("smooth")
+  return np.array(new_freqs), kinds
+
+
+def test_rope_inv_freq_llama3_scaling():
+  got = rope_inv_freq(128, 500000.0, LLAMA3_SCALING)
+  want, kinds = _llama31_inv_freq(128, 500000.0, **LLAMA3_SCALING)
+  assert set(kinds) == {"keep", "scale", "smooth"}  # all three regimes are exercised
+  assert got.shape == (64,) and got.dtype == np.float32
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+
+
+def test_rope_inv_freq_unscaled():
+  got = rope_inv_freq(16, 10000.0, None)
+  want = [1.0 / 10000.0 ** (2 * i / 16) for i in range(8)]
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+
+
+def test_rope_scaling_from_run_config():
+  """The run config's llama3 group becomes hashable (key, value) pairs without `type`."""
+  config = config_lib.default_config()
+  assert ModelConfig.from_config(config).rope_scaling is None
+  config.model.rope_scaling.type = "llama3"
+  scaling = ModelConfig.from_config(config).rope_scaling
+  hash(scaling)
+  assert dict(scaling) == LLAMA3_SCALING
+  np.testing.assert_array_equal(rope_inv_freq(128, 500000.0, dict(scaling)),
+                                rope_inv_freq(128, 500000.0, LLAMA3_SCALING))
+
+
+def _rope_reference(x, positions, inv_freq):
+  """Hugging Face `rotate_half` form in float64: x * cos + rotate_half(x) * sin."""
+  x = np.asarray(x, np.float64)
+  angles = np.asarray(positions, np.float64)[..., None] * np.asarray(inv_freq, np.float64)
+  cos = np.concatenate([np.cos(angles)] * 2, axis=-1)[:, :, None]
+  sin = np.concatenate([np.sin(angles)] * 2, axis=-1)[:, :, None]
+  half = x.shape[-1] // 2
+  rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos + rotated * sin
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING])
+def test_apply_rope_matches_reference_and_preserves_norm(scaling):
+  inv_freq = rope_inv_freq(32, 500000.0, scaling)
+  x = jax.random.normal(jax.random.key(0), (2, 12, 3, 32), jnp.float32)
+  positions = np.stack([np.arange(12), np.arange(100, 112)]).astype(np.int32)
+  out = np.asarray(apply_rope(x, positions, inv_freq))
+  assert out.shape == x.shape and out.dtype == np.float32
+  np.testing.assert_allclose(out, _rope_reference(x, positions, inv_freq), atol=1e-4, rtol=0)
+  np.testing.assert_allclose(np.linalg.norm(out, axis=-1), np.linalg.norm(np.asarray(x), axis=-1),
+                             rtol=1e-5)
+  # Position 0 is the identity.
+  np.testing.assert_allclose(out[0, 0], np.asarray(x)[0, 0], atol=1e-7)
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING])
+def test_apply_rope_is_relative(scaling):
+  """q·k after rotation depends only on the position difference."""
+  e = 64
+  inv_freq = rope_inv_freq(e, 10000.0, scaling)
+  kq, kk = jax.random.split(jax.random.key(1))
+  q = jax.random.normal(kq, (1, 1, 1, e), jnp.float32)
+  k = jax.random.normal(kk, (1, 1, 1, e), jnp.float32)
+
+  @jax.jit
+  def _score(m, n):
+    rq = apply_rope(q, jnp.reshape(m, (1, 1)), inv_freq)
+    rk = apply_rope(k, jnp.reshape(n, (1, 1)), inv_freq)
+    return jnp.sum(rq * rk)
+
+  def score(m, n):
+    return float(_score(jnp.int32(m), jnp.int32(n)))
+
+  for diff in (3, -5):
+    base = score(diff, 0) if diff >= 0 else score(0, -diff)
+    for offset in (7, 250):
+      m, n = (offset + diff, offset) if diff >= 0 else (offset, offset - diff)
+      assert score(m, n) == pytest.approx(base, rel=1e-5, abs=1e-5), (diff, offset)
+  # Not trivially constant: a different difference gives a different score.
+  assert abs(score(3, 0) - score(4, 0)) > 1e-2
