@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -22,8 +22,8 @@ _WORKDIR = flags.DEFINE_string(
 
 
 def _default_workdir() -> str:
-  path = flags.FLAGS["config"].value if "config" in flags.FLAGS else None
-  name = os.path.splitext(os.path.basename(path.split(":")[0]))[0] if path else "run"
+  path = config_flags.get_config_filename(flags.FLAGS["config"])
+  name = os.path.splitext(os.path.basename(path))[0] if path else "run"
   return os.path.join("runs", name)
 
 
@@ -41,6 +41,10 @@ def main(argv):
   if config is None:
     print("error: --config is required, e.g. --config=configs/tiny.py", file=sys.stderr)
     sys.exit(2)
+  # JAX logs backend probing (e.g. "Unable to initialize backend 'tpu'") at INFO; keep the
+  # console to the run table and progress lines unless the user asks for more (--verbosity).
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
   _maybe_initialize_distributed()
   import jax  # pylint: disable=import-outside-toplevel
   from jaxtrain.config import ConfigError, validate  # pylint: disable=import-outside-toplevel
