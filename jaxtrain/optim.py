@@ -12,12 +12,18 @@ import optax
 
 
 def learning_rate_schedule(config) -> optax.Schedule:
+  """Learning rate of the update made at optimizer count c (0-based), i.e. of step c + 1.
+
+  Shifted by one so the first update already has lr = peak / warmup_steps rather than 0 (an
+  unshifted warmup from 0 wastes the first step).
+  """
   o = config.optim
   decay_steps = o.decay_steps if o.decay_steps is not None else config.train.steps
-  return optax.warmup_cosine_decay_schedule(
+  base = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=o.learning_rate, warmup_steps=o.warmup_steps,
       decay_steps=max(decay_steps, o.warmup_steps + 1),
       end_value=o.learning_rate * o.min_lr_ratio)
+  return lambda count: base(count + 1)
 
 
 def weight_decay_mask(params):
