@@ -1,44 +1,12 @@
-"""Llama 3.2 1B: 1.24 B parameters, vocab 128256, llama3 RoPE scaling (factor 32).
+"""Llama 3.2 1B: 1.24B parameters, tied embeddings, llama3 RoPE scaling x32.
 
-Architecture as published; batch and parallelism are a starting point for accelerators: check
-the fit for your device count with the dry run before spending a cluster.
+Architecture as published; batch size and mesh (fsdp over all devices) are a starting point for
+accelerators. Override on the command line, e.g. --config.mesh.tensor=8.
 """
 
-from jaxtrain.config import default_config
+from jaxtrain.config import llama3_config
 
 
 def get_config():
-  c = default_config()
-  c.model.vocab_size = 128256
-  c.model.num_layers = 16
-  c.model.d_model = 2048
-  c.model.num_heads = 32
-  c.model.num_kv_heads = 8
-  c.model.head_dim = 64
-  c.model.mlp_dim = 8192
-  c.model.tie_embeddings = True
-  c.model.norm_eps = 1e-5
-  c.model.rope_theta = 500000.0
-  c.model.rope_scaling.type = "llama3"
-  c.model.rope_scaling.factor = 32.0
-  c.model.rope_scaling.low_freq_factor = 1.0
-  c.model.rope_scaling.high_freq_factor = 4.0
-  c.model.rope_scaling.original_max_position_embeddings = 8192
-  c.model.max_position_embeddings = 131072
-  c.model.scan_layers = True
-  c.model.remat_policy = "minimal"
-  c.model.param_dtype = "float32"
-  c.model.dtype = "bfloat16"
-
-  c.attention.impl = "auto"
-  c.mesh.data = 1
-  c.mesh.fsdp = -1
-  c.mesh.tensor = 1
-
-  c.train.global_batch_size = 128
-  c.train.seq_len = 8192
-  c.train.steps = 10000
-  c.train.loss_chunk_size = 1024
-  c.optim.learning_rate = 3e-4
-  c.optim.warmup_steps = 1000
-  return c
+  return llama3_config(num_layers=16, d_model=2048, num_heads=32, head_dim=64, mlp_dim=8192,
+                       tie_embeddings=True, rope_factor=32.0, global_batch_size=128)

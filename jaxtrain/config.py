@@ -95,6 +95,29 @@ def default_config() -> ml_collections.ConfigDict:
   return c
 
 
+def llama3_config(*, num_layers: int, d_model: int, num_heads: int, head_dim: int, mlp_dim: int,
+                  tie_embeddings: bool, rope_factor: float,
+                  global_batch_size: int) -> ml_collections.ConfigDict:
+  """What every published Llama 3.x size shares (vocab, 8 kv heads, RoPE theta and llama3
+  scaling, norm eps), with training defaults for accelerators; configs/ give the dims."""
+  c = default_config()
+  m = c.model
+  m.vocab_size, m.num_layers, m.d_model = 128256, num_layers, d_model
+  m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = num_heads, 8, head_dim, mlp_dim
+  m.tie_embeddings, m.norm_eps, m.rope_theta = tie_embeddings, 1e-5, 500000.0
+  m.rope_scaling.type, m.rope_scaling.factor = "llama3", rope_factor
+  m.rope_scaling.low_freq_factor, m.rope_scaling.high_freq_factor = 1.0, 4.0
+  m.rope_scaling.original_max_position_embeddings = 8192
+  m.max_position_embeddings = 131072
+  m.scan_layers, m.remat_policy = True, "minimal"
+  m.param_dtype, m.dtype = "float32", "bfloat16"
+  c.attention.impl = "auto"
+  c.train.global_batch_size, c.train.seq_len, c.train.steps = global_batch_size, 8192, 10000
+  c.train.loss_chunk_size = 1024
+  c.optim.learning_rate, c.optim.warmup_steps = 3e-4, 1000
+  return c
+
+
 def load_config_file(path: str) -> ml_collections.ConfigDict:
   """`get_config()` of a config file (what `--config=PATH` loads), for scripts and tests."""
   name = "jaxtrain_config_" + os.path.splitext(os.path.basename(path))[0]

@@ -97,3 +97,12 @@ def test_cli_bad_mesh_exits_2_with_one_line(tmp_path):
   assert len(lines) == 1, proc.stderr
   assert "mesh.tensor" in lines[0] and "Traceback" not in proc.stderr
   assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_llama8b_config_is_llama_3_1_8b():
+  m = load_config_file(os.path.join(REPO, "configs", "llama8b.py")).model
+  assert (m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.mlp_dim, m.vocab_size) == (
+      32, 4096, 32, 8, 14336, 128256)
+  assert m.rope_theta == 500000.0 and m.rope_scaling.type == "llama3"
+  assert (m.rope_scaling.factor, m.rope_scaling.low_freq_factor, m.rope_scaling.high_freq_factor,
+          m.rope_scaling.original_max_position_embeddings) == (8.0, 1.0, 4.0, 8192)
