@@ -61,7 +61,8 @@ def main(argv):
     sys.exit(2)
   if jax.process_index() == 0:
     print(f"done in {time.perf_counter() - start:.1f}s: final loss {result['loss']:.4f}, "
-          f"eval loss {result['eval_loss']:.4f}; metrics in {os.path.join(workdir, 'metrics.jsonl')}",
+          f"eval loss {result['eval_loss']:.4f}; "
+          f"metrics in {os.path.join(workdir, 'metrics.jsonl')}",
           flush=True)
 
 

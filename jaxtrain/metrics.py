@@ -175,8 +175,8 @@ def peak_flops_per_device(device) -> tuple[Optional[float], str]:
     import jax
     num_cpu = len(jax.local_devices(backend="cpu"))
     host = measure_cpu_matmul_peak()
-    return host / num_cpu, (f"measured float32 {_CPU_MATMUL_N}x{_CPU_MATMUL_N} matmul: host "
-                            f"{host / 1e9:.1f} GFLOP/s shared by {num_cpu} CPU device(s)")
+    return host / num_cpu, (f"measured: f32 {_CPU_MATMUL_N}² matmul, host shared by {num_cpu} "
+                            f"CPU device(s)")
   found = _lookup_peak(str(device.device_kind))
   if found is None:
     return None, (f"unknown device kind {device.device_kind!r} (platform {device.platform}); "

@@ -201,7 +201,8 @@ class Llama(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     pd = jnp.dtype(cfg.param_dtype)
-    self.embed_VD = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, pd)
+    self.embed_VD = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
+                           cfg.init_std, pd)
     if cfg.scan_layers:
       @nnx.split_rngs(splits=cfg.num_layers)
       @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})

@@ -1,13 +1,12 @@
 """run(): sharded init, the training loop, periodic eval, metrics. The I/O edge of training.
 
-Flow: mesh → abstract model → shardings → sharded init → loop { host batch → global array →
-jit train_step (donated state) → metrics fetched one step late → writers }.
+Flow: mesh → abstract model → shardings → sharded init → loop { host batch → global
+array → jit train_step (donated state) → metrics fetched one step late → writers }.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Any, Callable, Iterable
 
@@ -34,7 +33,6 @@ class Setup:
   model_cfg: ModelConfig
   graphdef: Any
   shardings: TrainState
-  schedule: Any
   init_fn: Callable[[jax.Array], TrainState]
   train_step: Callable
   eval_step: Callable
@@ -62,7 +60,7 @@ def build(config, mesh: Mesh) -> Setup:
   train_step = jit_train_step(step, shardings, mesh)
   eval_step = jit_eval_step(make_eval_step(graphdef, config.train.loss_chunk_size),
                             shardings.params, mesh)
-  return Setup(mesh, model_cfg, graphdef, shardings, schedule, init_fn, train_step, eval_step)
+  return Setup(mesh, model_cfg, graphdef, shardings, init_fn, train_step, eval_step)
 
 
 def init_state(setup: Setup, seed: int) -> TrainState:
@@ -91,6 +89,7 @@ def evaluate(setup: Setup, params, eval_batches: Iterable[dict]) -> float:
 def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConfig,
                  peak: float | None, peak_source: str, packing: float | None) -> str:
   t = config.train
+  flops_per_token = metrics_lib.flops_per_token(model_cfg, t.seq_len)
   devices = jax.devices()
   n = len(devices)
   tokens = t.global_batch_size * t.seq_len
@@ -107,9 +106,10 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
       ("global batch", f"{t.global_batch_size} seq × {t.seq_len} = {tokens:,} tokens"),
       ("per-device batch", f"{per_device:g} seq = {per_device * t.seq_len:,.0f} tokens "
                            f"(grad accum {t.grad_accum_steps})"),
-      ("FLOPs per token", f"{metrics_lib.format_count(metrics_lib.flops_per_token(model_cfg, t.seq_len))}"
-                          f" (6·N_matmul + 6·L·T·H·E)"),
-      ("peak FLOP/s", f"{metrics_lib.format_count(peak) if peak else 'n/a'} total ({peak_source})"),
+      ("FLOPs per token", f"{metrics_lib.format_count(flops_per_token)} "
+                          f"(6·N_matmul + 6·L·T·H·E)"),
+      ("peak FLOP/s", f"{metrics_lib.format_count(peak) if peak else 'n/a'} total; "
+                      f"{peak_source}"),
       ("dtypes", f"params {model_cfg.param_dtype}, compute {model_cfg.dtype}"),
       ("layers", f"{'scan' if model_cfg.scan_layers else 'unrolled'}, remat "
                  f"{model_cfg.remat_policy}, attention {model_cfg.attention_impl}"),

@@ -14,7 +14,8 @@ from tests.helpers import mesh_of, small_config
 
 def test_schedule_warms_up_then_decays_to_min():
   c = default_config()
-  c.train.steps, c.optim.warmup_steps, c.optim.learning_rate, c.optim.min_lr_ratio = 100, 10, 1.0, 0.1
+  c.train.steps, c.optim.warmup_steps = 100, 10
+  c.optim.learning_rate, c.optim.min_lr_ratio = 1.0, 0.1
   lr = learning_rate_schedule(c)
   np.testing.assert_allclose(float(lr(0)), 0.1, rtol=1e-6)  # first update is not wasted
   np.testing.assert_allclose(float(lr(9)), 1.0, rtol=1e-6)  # peak at the end of warmup

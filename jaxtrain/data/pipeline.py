@@ -29,8 +29,8 @@ import numpy as np
 
 from jaxtrain.config import ConfigError
 from jaxtrain.data import stdlib_corpus
+from jaxtrain.train_step import BATCH_KEYS  # the batch contract of the train step
 
-BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 
 # Pieces packed together before rows are emitted. More bins pack the short document tails more
 # tightly (higher efficiency) at the cost of memory (bins x T tokens) and of mixing more pieces;
