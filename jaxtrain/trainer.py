@@ -7,6 +7,7 @@ array → jit train_step (donated state) → metrics fetched one step late → w
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Callable, Iterable
 
@@ -140,8 +141,11 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
           flush=True)
 
   state = init_state(setup, t.seed)
-  writer = metrics_lib.MetricsWriter(workdir, tensorboard=config.log.tensorboard,
-                                     total_steps=t.steps) if is_chief else None
+  writer = None
+  if is_chief:
+    _set_aside_previous_metrics(workdir)
+    writer = metrics_lib.MetricsWriter(workdir, tensorboard=config.log.tensorboard,
+                                       total_steps=t.steps)
   meter = _Throughput(t.global_batch_size * t.seq_len, flops_per_token, peak)
   pending = None  # (step, device metrics), fetched after the next step is dispatched
   last: dict[str, float] = {}
@@ -176,6 +180,20 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
     if writer:
       writer.close()
   return {"loss": last.get("loss", float("nan")), "eval_loss": last.get("eval_loss", float("nan"))}
+
+
+def _set_aside_previous_metrics(workdir: str):
+  """A run that starts at step 0 must not append to an earlier run's metrics.jsonl: the earlier
+  file is kept, renamed metrics.prev-N.jsonl, and the new run gets a fresh one."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return
+  n = 1
+  while os.path.exists(os.path.join(workdir, f"metrics.prev-{n}.jsonl")):
+    n += 1
+  moved = os.path.join(workdir, f"metrics.prev-{n}.jsonl")
+  os.rename(path, moved)
+  print(f"note: {path} from an earlier run kept as {moved}", flush=True)
 
 
 class _Throughput:

@@ -60,3 +60,13 @@ def test_2x2x2_mesh_matches_one_device_for_10_steps(tmp_path):
   loss_eight = [r["loss"] for r in eight if "loss" in r]
   assert len(loss_one) == 10
   np.testing.assert_allclose(loss_eight, loss_one, rtol=2e-5)
+
+
+@pytest.mark.slow
+def test_rerun_in_same_workdir_keeps_previous_metrics(tmp_path):
+  args = ["--config.train.steps=2", "--config.train.log_every=1", "--config.train.eval_every=2"]
+  _run(tmp_path, *args)
+  proc, records = _run(tmp_path, *args)
+  assert [r["step"] for r in records if "loss" in r] == [1, 2]
+  assert os.path.exists(tmp_path / "metrics.prev-1.jsonl")
+  assert "kept as" in proc.stdout
