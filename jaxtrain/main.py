@@ -28,10 +28,17 @@ def _default_workdir() -> str:
 
 
 def _maybe_initialize_distributed():
-  """Multi-process runs (launch/ scripts, SLURM, TPU pods) set the coordinator in the env."""
+  """Multi-process runs: the launcher sets JAX_COORDINATOR_ADDRESS (plus JAX_NUM_PROCESSES and
+  JAX_PROCESS_ID where no cluster environment such as SLURM or a TPU pod provides them)."""
   import jax  # pylint: disable=import-outside-toplevel
-  if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("JAXTRAIN_DISTRIBUTED") == "1":
-    jax.distributed.initialize()
+  if not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    return
+  kwargs = {}
+  if os.environ.get("JAX_NUM_PROCESSES"):
+    kwargs["num_processes"] = int(os.environ["JAX_NUM_PROCESSES"])
+  if os.environ.get("JAX_PROCESS_ID"):
+    kwargs["process_id"] = int(os.environ["JAX_PROCESS_ID"])
+  jax.distributed.initialize(**kwargs)
 
 
 def main(argv):
