@@ -1,6 +1,6 @@
 """Input data: the zero-download stdlib byte corpus and the Grain packing pipeline."""
 
-from jaxtrain.data.pipeline import BATCH_KEYS
+from jaxtrain.train_step import BATCH_KEYS  # the batch contract of the train step
 from jaxtrain.data.pipeline import SOURCES
 from jaxtrain.data.pipeline import describe
 from jaxtrain.data.pipeline import load_sources

@@ -29,7 +29,6 @@ import numpy as np
 
 from jaxtrain.config import ConfigError
 from jaxtrain.data import stdlib_corpus
-from jaxtrain.train_step import BATCH_KEYS  # the batch contract of the train step
 
 
 # Pieces packed together before rows are emitted. More bins pack the short document tails more
