@@ -85,7 +85,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.optim.grad_clip_norm = 1.0
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = "stdlib_bytes"
+  c.data.source = "stdlib_bytes"  # or "arrayrecord": shards from `python -m jaxtrain.data.prepare`
+  c.data.train_paths = ""  # glob(s), comma-separated; used by file-based sources
+  c.data.eval_paths = ""  # empty: hold out data.eval_fraction of the training documents
   c.data.eval_fraction = 0.02
   c.data.seed = 0
   c.data.num_workers = 0

@@ -56,6 +56,7 @@ def main(argv):
   import jax  # pylint: disable=import-outside-toplevel
   from jaxtrain.config import ConfigError, validate  # pylint: disable=import-outside-toplevel
   from jaxtrain import trainer  # pylint: disable=import-outside-toplevel
+  from jaxtrain.data.sources import DataError  # pylint: disable=import-outside-toplevel
   workdir = _WORKDIR.value or _default_workdir()
   start = time.perf_counter()
   try:
@@ -65,6 +66,9 @@ def main(argv):
     result = trainer.run(config, workdir, mesh_shape)
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
+    sys.exit(2)
+  except DataError as e:
+    print(f"data error: {e}", file=sys.stderr)
     sys.exit(2)
   if jax.process_index() == 0:
     print(f"done in {time.perf_counter() - start:.1f}s: final loss {result['loss']:.4f}, "

@@ -22,13 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grain
+import ml_collections
 import numpy as np
 
 from jaxtrain.config import ConfigError
-from jaxtrain.data import stdlib_corpus
+from jaxtrain.data import sources, stdlib_corpus
 
 
 # Pieces packed together before rows are emitted. More bins pack the short document tails more
@@ -42,14 +46,84 @@ _EVAL_SEED_OFFSET = 1_000_003
 @dataclasses.dataclass(frozen=True)
 class SourceSpec:
   """A registered document source: how to load it and the smallest vocab that covers it."""
-  load: Callable[[float], tuple[object, object]]  # eval_fraction -> (train, eval) sources
-  min_vocab_size: int
+  load: Callable[[Any], tuple[Any, Any]]  # config -> (train, eval) token sources
+  min_vocab_size: Callable[[Any], int]  # config -> smallest model.vocab_size that covers the ids
+
+
+def _load_stdlib(config):
+  return stdlib_corpus.load_stdlib_splits(float(config.data.eval_fraction))
+
+
+def _require_train_paths(config):
+  if not config.data.train_paths:
+    raise ConfigError(f"data.train_paths='': data.source={config.data.source!r} needs files, "
+                      f"e.g. --config.data.train_paths='prepared/*.arrayrecord'")
+
+
+def _load_arrayrecord(config):
+  """Shards written by `python -m jaxtrain.data.prepare`. Without data.eval_paths, a fixed,
+  hash-chosen data.eval_fraction of the training documents is held out for eval."""
+  _require_train_paths(config)
+  train = sources.ArrayRecordTokenSource(config.data.train_paths, what="train_paths")
+  if config.data.eval_paths:
+    return train, sources.ArrayRecordTokenSource(config.data.eval_paths, what="eval_paths")
+  return split_documents(train, float(config.data.eval_fraction))
+
+
+def _arrayrecord_vocab(config) -> int:
+  """The tokenizer's vocab size from the shards' manifest (0 when there is none: every piece's
+  ids are still checked against model.vocab_size as it is read)."""
+  _require_train_paths(config)
+  paths = sources.resolve_paths(config.data.train_paths, what="train_paths")
+  manifest = os.path.join(os.path.dirname(paths[0]), "manifest.json")
+  if not os.path.exists(manifest):
+    return 0
+  with open(manifest, encoding="utf-8") as f:
+    return int(json.load(f).get("vocab_size", 0))
 
 
 SOURCES = {
-    "stdlib_bytes": SourceSpec(load=stdlib_corpus.load_stdlib_splits,
-                               min_vocab_size=stdlib_corpus.BYTE_VOCAB_SIZE),
+    "stdlib_bytes": SourceSpec(load=_load_stdlib,
+                               min_vocab_size=lambda _: stdlib_corpus.BYTE_VOCAB_SIZE),
+    "arrayrecord": SourceSpec(load=_load_arrayrecord, min_vocab_size=_arrayrecord_vocab),
 }
+
+
+class DocumentSubset:
+  """A view of some documents of a token source, with the same protocol (for held-out splits)."""
+
+  def __init__(self, source, indices_N: np.ndarray):
+    self.source, self.indices_N = source, np.asarray(indices_N, dtype=np.int64)
+
+  def __len__(self) -> int:
+    return len(self.indices_N)
+
+  def doc_lengths(self) -> np.ndarray:
+    return np.asarray(self.source.doc_lengths())[self.indices_N]
+
+  def num_tokens(self) -> int:
+    return int(self.doc_lengths().sum())
+
+  def read(self, i: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+    return self.source.read(int(self.indices_N[i]), start, stop)
+
+  def __getitem__(self, i: int) -> np.ndarray:
+    return self.read(i)
+
+
+def split_documents(source, eval_fraction: float) -> tuple[DocumentSubset, DocumentSubset]:
+  """(train, eval) by a fixed hash of each document's index: the same split on every run and
+  process, independent of data.seed, and spread over the whole corpus."""
+  n = len(source)
+  # Knuth's multiplicative hash spreads consecutive indices uniformly over [0, 2^32).
+  frac_N = ((np.arange(n, dtype=np.uint64) * np.uint64(2654435761)) % np.uint64(2**32)) / 2**32
+  is_eval_N = frac_N < eval_fraction
+  if is_eval_N.all() or not is_eval_N.any():
+    raise ConfigError(f"data.eval_fraction={eval_fraction}: leaves {int((~is_eval_N).sum())} "
+                      f"train and {int(is_eval_N.sum())} eval documents of {n}; both must be "
+                      f"non-empty (or set data.eval_paths)")
+  return (DocumentSubset(source, np.flatnonzero(~is_eval_N)),
+          DocumentSubset(source, np.flatnonzero(is_eval_N)))
 
 
 def _source_spec(config) -> SourceSpec:
@@ -58,24 +132,29 @@ def _source_spec(config) -> SourceSpec:
     raise ConfigError(f"data.source={name!r}: unknown data source; choose one of "
                       f"{', '.join(sorted(SOURCES))}")
   spec = SOURCES[name]
-  if config.model.vocab_size < spec.min_vocab_size:
+  needed = spec.min_vocab_size(config)
+  if config.model.vocab_size < needed:
     raise ConfigError(f"model.vocab_size={config.model.vocab_size}: data.source={name!r} has "
-                      f"token ids up to {spec.min_vocab_size - 1}; use a vocab size >= "
-                      f"{spec.min_vocab_size}")
+                      f"token ids up to {needed - 1} (its tokenizer's vocabulary); use a vocab "
+                      f"size >= {needed} or data prepared with the model's tokenizer")
   return spec
 
 
 @functools.lru_cache(maxsize=4)
-def _load_cached(name: str, eval_fraction: float):
+def _load_cached(name: str, train_paths: str, eval_paths: str, eval_fraction: float):
   # In memory only: the train iterator, eval batches and `describe` each need the corpus, and
   # reading it once per process keeps startup to about half a second.
-  return SOURCES[name].load(eval_fraction)
+  config = ml_collections.ConfigDict({"data": {
+      "source": name, "train_paths": train_paths, "eval_paths": eval_paths,
+      "eval_fraction": eval_fraction}})
+  return SOURCES[name].load(config)
 
 
 def load_sources(config):
   """(train, eval) document sources for `config.data`, after validating source and vocab."""
   _source_spec(config)
-  return _load_cached(config.data.source, float(config.data.eval_fraction))
+  d = config.data
+  return _load_cached(d.source, d.train_paths, d.eval_paths, float(d.eval_fraction))
 
 
 def piece_index(doc_lengths_N: np.ndarray, seq_len: int) -> np.ndarray:
@@ -98,11 +177,18 @@ class _ReadPiece:
   """(doc, start, stop) -> {"inputs", "targets"}; a class, not a closure, so it pickles by
   reference into grain's worker processes."""
 
-  def __init__(self, source):
-    self._source = source
+  def __init__(self, source, vocab_size: int):
+    self._source, self._vocab_size = source, vocab_size
 
   def __call__(self, piece_3):
-    tokens = self._source.read(int(piece_3[0]), int(piece_3[1]), int(piece_3[2]))
+    doc = int(piece_3[0])
+    tokens = self._source.read(doc, int(piece_3[1]), int(piece_3[2]))
+    if tokens.size and (tokens.max() >= self._vocab_size or tokens.min() < 0):
+      bad = int(tokens.max() if tokens.max() >= self._vocab_size else tokens.min())
+      raise sources.DataError(
+          f"token id {bad} in document {doc} is outside model.vocab_size={self._vocab_size}: "
+          f"the data was tokenized with a different tokenizer than the model's; re-prepare it "
+          f"with the model's tokenizer or fix model.vocab_size")
     return {"inputs": tokens[:-1], "targets": tokens[1:]}
 
 
@@ -162,7 +248,7 @@ def packed_batch_dataset(source, config, *, seed: int, shuffle: bool, process_in
   # repeat() after shuffle(): grain folds the epoch into the shuffle seed, so each epoch gets a
   # different order while staying deterministic. Eval repeats too, so a tiny split still fills
   # the requested number of batches.
-  ds = ds.repeat().map(_ReadPiece(source))
+  ds = ds.repeat().map(_ReadPiece(source, int(config.model.vocab_size)))
   # Reading a piece is one numpy slice: read threads only add GIL contention (B=16, T=256: 730
   # batches/s with none, 180 with 2, 120 with grain's default 16). Background work, where
   # wanted, comes from data.num_workers processes.
