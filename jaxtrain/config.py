@@ -85,9 +85,17 @@ def default_config() -> ml_collections.ConfigDict:
   c.optim.grad_clip_norm = 1.0
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = "stdlib_bytes"  # or "arrayrecord": shards from `python -m jaxtrain.data.prepare`
+  # "stdlib_bytes" (the demo corpus), "arrayrecord" (shards from `python -m
+  # jaxtrain.data.prepare`), or raw "text" files, "jsonl", "parquet" tokenized while training.
+  c.data.source = "stdlib_bytes"
   c.data.train_paths = ""  # glob(s), comma-separated; used by file-based sources
   c.data.eval_paths = ""  # empty: hold out data.eval_fraction of the training documents
+  c.data.field = "text"  # JSONL field / Parquet column holding the document
+  c.data.tokenizer = "byte"  # "byte", "hf:PATH/tokenizer.json", "sentencepiece:PATH.model"
+  c.data.add_bos = False
+  c.data.add_eos = True
+  c.data.on_bad_record = "fail"  # JSONL: "fail" names file:line; "skip" drops and counts
+  c.data.on_decode_error = "fail"  # text files: "fail" on invalid UTF-8, or "replace"
   c.data.eval_fraction = 0.02
   c.data.seed = 0
   c.data.num_workers = 0

@@ -32,7 +32,8 @@ import ml_collections
 import numpy as np
 
 from jaxtrain.config import ConfigError
-from jaxtrain.data import sources, stdlib_corpus
+from jaxtrain.data import sources, stdlib_corpus, text_docs
+from jaxtrain.data import tokenizer as tokenizer_lib
 
 
 # Pieces packed together before rows are emitted. More bins pack the short document tails more
@@ -82,10 +83,41 @@ def _arrayrecord_vocab(config) -> int:
     return int(json.load(f).get("vocab_size", 0))
 
 
+def _make_text_source(config, paths: str, what: str):
+  d = config.data
+  if d.source == "text":
+    return sources.TextFileSource(paths, on_decode_error=d.on_decode_error, what=what)
+  if d.source == "jsonl":
+    return sources.JsonlSource(paths, field=d.field, on_bad_record=d.on_bad_record, what=what)
+  return sources.ParquetSource(paths, column=d.field, what=what)
+
+
+def _load_text(config):
+  """Text files, JSONL or Parquet, tokenized with data.tokenizer as documents are read."""
+  _require_train_paths(config)
+  d = config.data
+  tok = tokenizer_lib.load_tokenizer(d.tokenizer)
+
+  def docs(paths, what):
+    return text_docs.TokenizedText(_make_text_source(config, paths, what), tok,
+                                   add_bos=d.add_bos, add_eos=d.add_eos)
+  train = docs(d.train_paths, "train_paths")
+  if d.eval_paths:
+    return train, docs(d.eval_paths, "eval_paths")
+  return split_documents(train, float(d.eval_fraction))
+
+
+def _tokenizer_vocab(config) -> int:
+  return tokenizer_lib.load_tokenizer(config.data.tokenizer).vocab_size
+
+
 SOURCES = {
     "stdlib_bytes": SourceSpec(load=_load_stdlib,
                                min_vocab_size=lambda _: stdlib_corpus.BYTE_VOCAB_SIZE),
     "arrayrecord": SourceSpec(load=_load_arrayrecord, min_vocab_size=_arrayrecord_vocab),
+    "text": SourceSpec(load=_load_text, min_vocab_size=_tokenizer_vocab),
+    "jsonl": SourceSpec(load=_load_text, min_vocab_size=_tokenizer_vocab),
+    "parquet": SourceSpec(load=_load_text, min_vocab_size=_tokenizer_vocab),
 }
 
 
@@ -111,10 +143,17 @@ class DocumentSubset:
     return self.read(i)
 
 
-def split_documents(source, eval_fraction: float) -> tuple[DocumentSubset, DocumentSubset]:
+def split_documents(source, eval_fraction: float):
   """(train, eval) by a fixed hash of each document's index: the same split on every run and
   process, independent of data.seed, and spread over the whole corpus."""
-  n = len(source)
+  train_N, eval_N = held_out_indices(len(source), eval_fraction)
+  if isinstance(source, text_docs.TokenizedText):
+    return source.subset(train_N), source.subset(eval_N)
+  return DocumentSubset(source, train_N), DocumentSubset(source, eval_N)
+
+
+def held_out_indices(n: int, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+  """(train, eval) document indices; see `split_documents`."""
   # Knuth's multiplicative hash spreads consecutive indices uniformly over [0, 2^32).
   frac_N = ((np.arange(n, dtype=np.uint64) * np.uint64(2654435761)) % np.uint64(2**32)) / 2**32
   is_eval_N = frac_N < eval_fraction
@@ -122,8 +161,7 @@ def split_documents(source, eval_fraction: float) -> tuple[DocumentSubset, Docum
     raise ConfigError(f"data.eval_fraction={eval_fraction}: leaves {int((~is_eval_N).sum())} "
                       f"train and {int(is_eval_N.sum())} eval documents of {n}; both must be "
                       f"non-empty (or set data.eval_paths)")
-  return (DocumentSubset(source, np.flatnonzero(~is_eval_N)),
-          DocumentSubset(source, np.flatnonzero(is_eval_N)))
+  return np.flatnonzero(~is_eval_N), np.flatnonzero(is_eval_N)
 
 
 def _source_spec(config) -> SourceSpec:
@@ -141,20 +179,17 @@ def _source_spec(config) -> SourceSpec:
 
 
 @functools.lru_cache(maxsize=4)
-def _load_cached(name: str, train_paths: str, eval_paths: str, eval_fraction: float):
+def _load_cached(data_items: tuple):
   # In memory only: the train iterator, eval batches and `describe` each need the corpus, and
-  # reading it once per process keeps startup to about half a second.
-  config = ml_collections.ConfigDict({"data": {
-      "source": name, "train_paths": train_paths, "eval_paths": eval_paths,
-      "eval_fraction": eval_fraction}})
-  return SOURCES[name].load(config)
+  # reading (or indexing) it once per process keeps startup short.
+  config = ml_collections.ConfigDict({"data": dict(data_items)})
+  return SOURCES[config.data.source].load(config)
 
 
 def load_sources(config):
   """(train, eval) document sources for `config.data`, after validating source and vocab."""
   _source_spec(config)
-  d = config.data
-  return _load_cached(d.source, d.train_paths, d.eval_paths, float(d.eval_fraction))
+  return _load_cached(tuple(sorted(config.data.to_dict().items())))
 
 
 def piece_index(doc_lengths_N: np.ndarray, seq_len: int) -> np.ndarray:
@@ -236,7 +271,44 @@ def packed_batch_dataset(source, config, *, seed: int, shuffle: bool, process_in
   _check_process(process_index, process_count)
   seq_len = config.train.seq_len
   batch_size = _local_batch_size(config, process_count)
-  pieces_P3 = piece_index(source.doc_lengths(), seq_len)
+  if isinstance(source, text_docs.TokenizedText):
+    it = _text_pieces(source, config, seed=seed, shuffle=shuffle, process_index=process_index,
+                      process_count=process_count)
+  else:
+    it = _token_pieces(source, config, seed=seed, shuffle=shuffle, process_index=process_index,
+                       process_count=process_count)
+  it = grain.experimental.FirstFitPackIterDataset(
+      it, length_struct={"inputs": seq_len, "targets": seq_len},
+      num_packing_bins=_NUM_PACKING_BINS, seed=seed, shuffle_bins=shuffle)
+  it = it.batch(batch_size, drop_remainder=True).map(_to_batch_format)
+  if num_workers > 0:
+    _ensure_absl_flags_parsed()
+    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+  return it
+
+
+# Reading is numpy slicing or tokenizing under the GIL: read threads only add contention (B=16,
+# T=256: 730 batches/s with none, 180 with 2, 120 with grain's default 16). Background work,
+# where wanted, comes from data.num_workers processes.
+_READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
+def _text_pieces(docs, config, *, seed, shuffle, process_index, process_count):
+  """Documents shuffled, tokenized when read, cut into pieces (lengths are unknown up front)."""
+  if len(docs) < process_count:
+    raise ValueError(f"data.train_paths: {len(docs)} documents cannot be shared by "
+                     f"{process_count} processes")
+  ds = grain.MapDataset.source(np.arange(len(docs)))[process_index::process_count]
+  if shuffle:
+    ds = ds.shuffle(seed=seed)
+  ds = ds.repeat().map(text_docs.ReadDocument(docs, int(config.model.vocab_size)))
+  return grain.experimental.FlatMapIterDataset(ds.to_iter_dataset(_READ_OPTIONS),
+                                               text_docs.SplitIntoPieces(config.train.seq_len))
+
+
+def _token_pieces(source, config, *, seed, shuffle, process_index, process_count):
+  """Pieces of pre-tokenized documents, shuffled piece by piece (lengths are known)."""
+  pieces_P3 = piece_index(source.doc_lengths(), config.train.seq_len)
   if len(pieces_P3) < process_count:
     raise ValueError(f"data.source={config.data.source!r}: {len(pieces_P3)} pieces cannot be "
                      f"shared by {process_count} processes")
@@ -249,18 +321,7 @@ def packed_batch_dataset(source, config, *, seed: int, shuffle: bool, process_in
   # different order while staying deterministic. Eval repeats too, so a tiny split still fills
   # the requested number of batches.
   ds = ds.repeat().map(_ReadPiece(source, int(config.model.vocab_size)))
-  # Reading a piece is one numpy slice: read threads only add GIL contention (B=16, T=256: 730
-  # batches/s with none, 180 with 2, 120 with grain's default 16). Background work, where
-  # wanted, comes from data.num_workers processes.
-  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-  it = grain.experimental.FirstFitPackIterDataset(
-      it, length_struct={"inputs": seq_len, "targets": seq_len},
-      num_packing_bins=_NUM_PACKING_BINS, seed=seed, shuffle_bins=shuffle)
-  it = it.batch(batch_size, drop_remainder=True).map(_to_batch_format)
-  if num_workers > 0:
-    _ensure_absl_flags_parsed()
-    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-  return it
+  return ds.to_iter_dataset(_READ_OPTIONS)
 
 
 def make_train_iterator(config, *, process_index: int = 0,

@@ -1,0 +1,139 @@
+"""Training batches from raw text sources tokenized while reading (text, jsonl, parquet)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxtrain import data
+from jaxtrain.config import ConfigError
+from jaxtrain.data import sources
+from tests.test_data import T, assert_batches_equal, small_config, take
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def _texts(n, seed=0):
+  rng = np.random.default_rng(seed)
+  return [" ".join(rng.choice(WORDS, int(rng.integers(5, 80)))) + " é" for _ in range(n)]
+
+
+def _jsonl(tmp_path, texts, name="corpus.jsonl"):
+  path = tmp_path / name
+  path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)),
+                  encoding="utf-8")
+  return path
+
+
+def _config(path, **data_overrides):
+  c = small_config()
+  c.data.source = "jsonl"
+  c.data.train_paths = str(path)
+  c.data.eval_fraction = 0.2
+  for k, v in data_overrides.items():
+    c.data[k] = v
+  return c
+
+
+def _check_text_batch(batch, rows):
+  for k in data.BATCH_KEYS:
+    assert batch[k].shape == (rows, T)
+  seg, pos = batch["segment_ids"], batch["positions"]
+  np.testing.assert_array_equal(batch["loss_mask"], (seg > 0).astype(np.float32))
+  for r in range(rows):
+    for s in np.unique(seg[r][seg[r] > 0]):
+      idx = np.flatnonzero(seg[r] == s)
+      np.testing.assert_array_equal(pos[r, idx], np.arange(len(idx)))
+      np.testing.assert_array_equal(batch["inputs"][r, idx[1:]], batch["targets"][r, idx[:-1]])
+
+
+def test_jsonl_bytes_batches_are_slices_of_the_documents(tmp_path):
+  texts = _texts(200)
+  c = _config(_jsonl(tmp_path, texts))
+  batches = take(data.make_train_iterator(c), 3)
+  for b in batches:
+    _check_text_batch(b, rows=4)
+  corpus = "\n".join(texts).encode("utf-8")
+  seg = batches[0]["segment_ids"][0]
+  idx = np.flatnonzero(seg == 1)
+  piece = np.append(batches[0]["inputs"][0, idx], batches[0]["targets"][0, idx[-1]])
+  body = piece[piece < 256].astype(np.uint8).tobytes()  # EOS (256) ends a document
+  assert body in corpus
+  train, evals = data.load_sources(c)
+  assert len(train) + len(evals) == 200 and len(evals) > 10
+  assert_batches_equal(data.make_eval_batches(c), data.make_eval_batches(c))
+
+
+def test_long_documents_are_split_into_pieces(tmp_path):
+  texts = ["word " * 100] * 20  # 500 bytes each, many times seq_len
+  batch = next(data.make_train_iterator(_config(_jsonl(tmp_path, texts))))
+  assert (batch["segment_ids"] > 0).all()  # long pieces fill whole rows
+
+
+def test_resume_from_state(tmp_path):
+  c = _config(_jsonl(tmp_path, _texts(100)))
+  it = data.make_train_iterator(c)
+  take(it, 3)
+  state = json.loads(json.dumps(it.get_state()))
+  expected = take(it, 3)
+  resumed = data.make_train_iterator(c)
+  resumed.set_state(state)
+  assert_batches_equal(take(resumed, 3), expected)
+
+
+def test_text_files_and_parquet(tmp_path):
+  import pyarrow as pa  # pylint: disable=import-outside-toplevel
+  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+  texts = _texts(60)
+  (tmp_path / "txt").mkdir()
+  for i, t in enumerate(texts):
+    (tmp_path / "txt" / f"{i:03d}.txt").write_text(t, encoding="utf-8")
+  pq.write_table(pa.table({"body": texts}), tmp_path / "c.parquet")
+  for source, paths, extra in [("text", tmp_path / "txt" / "*.txt", {}),
+                               ("parquet", tmp_path / "c.parquet", {"field": "body"})]:
+    c = _config(paths, source=source, **extra)
+    _check_text_batch(next(data.make_train_iterator(c)), rows=4)
+
+
+def test_model_vocab_smaller_than_tokenizer(tmp_path):
+  c = _config(_jsonl(tmp_path, _texts(20)))
+  c.model.vocab_size = 257  # the byte tokenizer emits 258 ids (BOS is 257)
+  with pytest.raises(ConfigError, match=r"model.vocab_size=257.*258"):
+    data.make_train_iterator(c)
+
+
+def test_missing_field_names_file_and_line(tmp_path):
+  path = _jsonl(tmp_path, _texts(1))
+  with open(path, "a", encoding="utf-8") as f:
+    f.write(json.dumps({"body": "no text field"}) + "\n")
+  c = _config(path, eval_paths=str(path))
+  # Two documents repeat until the first batch is full, so the bad one is read.
+  with pytest.raises(sources.DataError, match=r"corpus.jsonl:2.*'text'"):
+    next(data.make_train_iterator(c))
+
+
+def test_cli_malformed_jsonl_exits_2_naming_the_line(tmp_path):
+  path = _jsonl(tmp_path, _texts(3))
+  with open(path, "a", encoding="utf-8") as f:
+    f.write('{"text": "unterminated\n')
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py",
+       f"--workdir={tmp_path / 'run'}", "--config.data.source=jsonl",
+       f"--config.data.train_paths={path}", f"--config.data.eval_paths={path}",
+       "--config.data.on_bad_record=skip", "--config.train.steps=1"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  # With skip the bad line is dropped and counted; the run trains.
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  proc = subprocess.run(
+      [sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py",
+       f"--workdir={tmp_path / 'run2'}", "--config.data.source=jsonl",
+       f"--config.data.train_paths={tmp_path / 'nothing*.jsonl'}", "--config.train.steps=1"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2
+  lines = [l for l in proc.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1 and "no files match" in lines[0], proc.stderr[-2000:]
