@@ -91,6 +91,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.train_paths = ""  # glob(s), comma-separated; used by file-based sources
   c.data.eval_paths = ""  # empty: hold out data.eval_fraction of the training documents
   c.data.field = "text"  # JSONL field / Parquet column holding the document
+  # JSONL records: "text" (field above), "prompt_completion" ({"prompt", "completion"}: loss on
+  # the completion) or "chat" ({"messages": [...]}, the tokenizer's chat template: loss on the
+  # assistant turns).
+  c.data.format = "text"
   c.data.tokenizer = "byte"  # "byte", "hf:PATH/tokenizer.json", "sentencepiece:PATH.model"
   c.data.add_bos = False
   c.data.add_eos = True

@@ -137,3 +137,33 @@ def test_cli_malformed_jsonl_exits_2_naming_the_line(tmp_path):
   assert proc.returncode == 2
   lines = [l for l in proc.stderr.splitlines() if l.strip()]
   assert len(lines) == 1 and "no files match" in lines[0], proc.stderr[-2000:]
+
+
+def test_prompt_completion_loss_only_on_completions(tmp_path):
+  path = tmp_path / "sft.jsonl"
+  records = [{"prompt": f"Q{i}: what is {i}+{i}? ", "completion": f"It is {2 * i}."}
+             for i in range(40)]
+  path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+  c = _config(path, format="prompt_completion")
+  batch = next(data.make_train_iterator(c))
+  mask, targets = batch["loss_mask"], batch["targets"]
+  assert 0 < mask.sum() < (batch["segment_ids"] > 0).sum()
+  trained = bytes(int(t) for t in targets[mask > 0] if t < 256).decode("utf-8")
+  assert "It is" in trained and "what is" not in trained
+
+
+def test_chat_loss_only_on_assistant_turns(tmp_path):
+  path = tmp_path / "chat.jsonl"
+  records = [{"messages": [{"role": "user", "content": f"ping {i}"},
+                           {"role": "assistant", "content": f"pong {i}"}]} for i in range(40)]
+  path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+  c = _config(path, format="chat")
+  batch = next(data.make_train_iterator(c))
+  trained = bytes(int(t) for t in batch["targets"][batch["loss_mask"] > 0] if t < 256)
+  assert b"pong" in trained and b"ping" not in trained
+
+
+def test_fine_tuning_formats_need_jsonl(tmp_path):
+  c = _config(tmp_path / "x.txt", source="text", format="chat")
+  with pytest.raises(ConfigError, match="data.format='chat'.*jsonl"):
+    data.make_train_iterator(c)

@@ -158,7 +158,7 @@ def test_jsonl_multi_file_glob_order_pickle_and_grain(tmp_path):
     ('{"text": "ok"', "malformed JSON (Expecting ',' delimiter at column 14)"),
     ('["text"]', "the record is an array, not a JSON object"),
     ('{"body": "x", "id": 1}', "no field 'text' (the record's keys: 'body', 'id'); set "
-                               "data.jsonl_field"),
+                               "data.field"),
     ('{"text": 42}', "field 'text' is a number, not a string"),
     ('{"text": null}', "field 'text' is null, not a string"),
 ])

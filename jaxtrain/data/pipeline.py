@@ -88,7 +88,9 @@ def _make_text_source(config, paths: str, what: str):
   if d.source == "text":
     return sources.TextFileSource(paths, on_decode_error=d.on_decode_error, what=what)
   if d.source == "jsonl":
-    return sources.JsonlSource(paths, field=d.field, on_bad_record=d.on_bad_record, what=what)
+    # Records with several fields (chat, prompt/completion) are passed whole to the formatter.
+    field = d.field if d.format == "text" else None
+    return sources.JsonlSource(paths, field=field, on_bad_record=d.on_bad_record, what=what)
   return sources.ParquetSource(paths, column=d.field, what=what)
 
 
@@ -98,9 +100,18 @@ def _load_text(config):
   d = config.data
   tok = tokenizer_lib.load_tokenizer(d.tokenizer)
 
+  if d.format not in ("text", "prompt_completion", "chat"):
+    raise ConfigError(f"data.format={d.format!r}: choose text, prompt_completion or chat "
+                      f"(preference pairs are for DPO, not for the language-model loss)")
+  if d.format != "text" and d.source != "jsonl":
+    raise ConfigError(f"data.format={d.format!r}: needs data.source='jsonl' (records with "
+                      f"fields), got {d.source!r}")
+  # data.add_bos/add_eos apply to plain text; chat and prompt/completion follow the template.
+  flags = ({"add_bos": d.add_bos, "add_eos": d.add_eos} if d.format == "text" else {})
+
   def docs(paths, what):
-    return text_docs.TokenizedText(_make_text_source(config, paths, what), tok,
-                                   add_bos=d.add_bos, add_eos=d.add_eos)
+    return text_docs.TokenizedText(_make_text_source(config, paths, what), tok, kind=d.format,
+                                   **flags)
   train = docs(d.train_paths, "train_paths")
   if d.eval_paths:
     return train, docs(d.eval_paths, "eval_paths")
@@ -224,7 +235,8 @@ class _ReadPiece:
           f"token id {bad} in document {doc} is outside model.vocab_size={self._vocab_size}: "
           f"the data was tokenized with a different tokenizer than the model's; re-prepare it "
           f"with the model's tokenizer or fix model.vocab_size")
-    return {"inputs": tokens[:-1], "targets": tokens[1:]}
+    return {"inputs": tokens[:-1], "targets": tokens[1:],
+            "weights": np.ones(len(tokens) - 1, np.float32)}
 
 
 def _to_batch_format(packed):
@@ -234,7 +246,9 @@ def _to_batch_format(packed):
   return {
       "inputs": packed["inputs"].astype(np.int32),
       "targets": packed["targets"].astype(np.int32),
-      "loss_mask": (segment_ids_BT > 0).astype(np.float32),
+      # Per-token weights (1 for plain text; 0 on prompts for fine-tuning formats), zero on
+      # padding.
+      "loss_mask": np.where(segment_ids_BT > 0, packed["weights"], 0).astype(np.float32),
       "segment_ids": segment_ids_BT,
       "positions": packed["targets_positions"].astype(np.int32),
   }
@@ -278,7 +292,7 @@ def packed_batch_dataset(source, config, *, seed: int, shuffle: bool, process_in
     it = _token_pieces(source, config, seed=seed, shuffle=shuffle, process_index=process_index,
                        process_count=process_count)
   it = grain.experimental.FirstFitPackIterDataset(
-      it, length_struct={"inputs": seq_len, "targets": seq_len},
+      it, length_struct={"inputs": seq_len, "targets": seq_len, "weights": seq_len},
       num_packing_bins=_NUM_PACKING_BINS, seed=seed, shuffle_bins=shuffle)
   it = it.batch(batch_size, drop_remainder=True).map(_to_batch_format)
   if num_workers > 0:

@@ -77,8 +77,9 @@ class _BadRecord(Exception):
   """Why a line is not a usable record; becomes a `DataError` or a skip."""
 
 
-def _parse_record(line: bytes, field: str, at_file_start: bool) -> str:
-  """The document in one JSONL line, or `_BadRecord` saying what is wrong and how to fix it."""
+def _parse_record(line: bytes, field: str | None, at_file_start: bool):
+  """The document in one JSONL line (with field None: the whole record, a dict), or
+  `_BadRecord` saying what is wrong and how to fix it."""
   if at_file_start and line.startswith(_UTF8_BOM):
     line = line[len(_UTF8_BOM):]  # editors on Windows write a BOM; JSON forbids it
   try:
@@ -96,15 +97,17 @@ def _parse_record(line: bytes, field: str, at_file_start: bool) -> str:
   if not isinstance(record, dict):
     raise _BadRecord(f"the record is {_JSON_TYPE_NAMES.get(type(record), type(record).__name__)}"
                      f", not a JSON object; each line must be an object like "
-                     f'{{"{field}": "..."}}')
+                     f'{{"{field or "text"}": "..."}}')
+  if field is None:
+    return record
   if field not in record:
     keys = ", ".join(repr(k) for k in list(record)[:10]) or "none"
-    raise _BadRecord(f"no field {field!r} (the record's keys: {keys}); set data.jsonl_field to "
+    raise _BadRecord(f"no field {field!r} (the record's keys: {keys}); set data.field to "
                      f"the key that holds the text")
   value = record[field]
   if not isinstance(value, str):
     raise _BadRecord(f"field {field!r} is {_JSON_TYPE_NAMES.get(type(value), type(value).__name__)}"
-                     f", not a string; set data.jsonl_field to a text field or use "
+                     f", not a string; set data.field to a text field or use "
                      f"on_bad_record='skip'")
   return value
 

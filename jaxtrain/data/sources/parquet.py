@@ -40,12 +40,12 @@ class ParquetSource(Source):
       schema = meta.schema.to_arrow_schema()
       if column not in schema.names:
         raise DataError(f"{path}: no column {column!r}; available columns: "
-                        f"{', '.join(schema.names)}; set data.parquet_column to the text column")
+                        f"{', '.join(schema.names)}; set data.field to the text column")
       col_type = schema.field(column).type
       if not (pa.types.is_string(col_type) or pa.types.is_large_string(col_type)
               or pa.types.is_string_view(col_type)):
         raise DataError(f"{path}: column {column!r} has type {col_type}, not string; set "
-                        f"data.parquet_column to a text column")
+                        f"data.field to a text column")
       for g in range(meta.num_row_groups):
         n = meta.row_group(g).num_rows
         if n:  # an empty row group would share its start with the next one
