@@ -31,8 +31,14 @@ def _as_int32_tokens(ids) -> np.ndarray:
   return np.asarray(ids, dtype="<i4")
 
 
-def write_array_record_shard(path: str, docs_iter: Iterable[Any],
-                             write_lengths: bool = True) -> tuple[int, int]:
+# Records are stored uncompressed by default: the pipeline reads a whole document for every
+# piece it cuts from it, and zstd decoding made that 8x slower (stdlib shards: 76 vs 21 us per
+# record, 1.1M vs ~8M tokens/s at seq_len 256) for about 8x less disk with byte-level tokens.
+COMPRESSION_OPTIONS = {"none": "group_size:1,uncompressed", "zstd": "group_size:1"}
+
+
+def write_array_record_shard(path: str, docs_iter: Iterable[Any], write_lengths: bool = True,
+                             compression: str = "none") -> tuple[int, int]:
   """Writes documents (sequences of token ids) as one ArrayRecord shard; (num_docs, num_tokens).
 
   Each record is a document's ids as little-endian int32 bytes, with group size 1 (what grain's
@@ -44,7 +50,9 @@ def write_array_record_shard(path: str, docs_iter: Iterable[Any],
   from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
   tmp = f"{path}.tmp-{os.getpid()}"
   lengths = []
-  writer = array_record_module.ArrayRecordWriter(tmp, "group_size:1")
+  if compression not in COMPRESSION_OPTIONS:
+    raise ValueError(f"compression={compression!r}: choose one of {', '.join(COMPRESSION_OPTIONS)}")
+  writer = array_record_module.ArrayRecordWriter(tmp, COMPRESSION_OPTIONS[compression])
   try:
     for ids in docs_iter:
       tokens = _as_int32_tokens(ids)
