@@ -1,0 +1,244 @@
+"""Tests for `python -m jaxtrain.data.prepare`: shards, manifest, determinism, CLI; no devices."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxtrain.config import ConfigError
+from jaxtrain.data import prepare as prep
+from jaxtrain.data.sources import ArrayRecordTokenSource, DataError
+from jaxtrain.data.tokenizer import load_tokenizer
+
+WORDS = ("the a of and to in is was for on that with as by at from it an be this are or his "
+         "which but not have had one all were they their has been more when who would will time "
+         "river mountain language model token shard corpus training data window garden music "
+         "über naïve café straße żółw 日本 данные δεδομένα").split()
+NUM_DOCS = 300
+LAST_LINE_RE = re.compile(
+    r"prepare: documents=(\d+) tokens=(\d+) shards=(\d+) tokens_per_sec=(\d+)")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_docs(n, seed=0):
+  """English-like documents: sentences of random words, some non-ASCII, varied lengths."""
+  rng = np.random.default_rng(seed)
+  docs = []
+  for _ in range(n):
+    sentences = []
+    for _ in range(int(rng.integers(1, 6))):
+      words = rng.choice(WORDS, size=int(rng.integers(3, 15)))
+      sentences.append(" ".join(words).capitalize() + rng.choice([".", "!", "?"]))
+    docs.append(rng.choice([" ", "\n"]).join(sentences))
+  return docs
+
+
+def write_jsonl(path, docs):
+  with open(path, "w", encoding="utf-8") as f:
+    for d in docs:
+      f.write(json.dumps({"text": d, "id": len(d)}, ensure_ascii=False) + "\n")
+  return str(path)
+
+
+def train_bpe(directory, docs):
+  """A tiny byte-level BPE tokenizer.json (vocab 300, "<s>"/"</s>") with a tokenizer_config.json."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(docs, trainer)
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, "tokenizer.json")
+  tok.save(path)
+  with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+    json.dump({"bos_token": "<s>", "eos_token": "</s>"}, f)
+  return path
+
+
+def shard_bytes(directory):
+  directory = pathlib.Path(directory)
+  return {p.name: p.read_bytes() for p in sorted(directory.glob("shard-*"))}
+
+
+def run_cli(*args, cwd):
+  return subprocess.run([sys.executable, "-m", "jaxtrain.data.prepare", *args], cwd=cwd,
+                        capture_output=True, text=True, timeout=120,
+                        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                            filter(None, [REPO, os.environ.get("PYTHONPATH")]))})
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  root = tmp_path_factory.mktemp("corpus")
+  docs = make_docs(NUM_DOCS)
+  jsonl = write_jsonl(root / "docs.jsonl", docs)
+  tokenizer_json = train_bpe(str(root / "tok"), docs)
+  return {"root": root, "docs": docs, "jsonl": jsonl, "tokenizer": "hf:" + tokenizer_json}
+
+
+@pytest.fixture(scope="module")
+def two_workers(corpus):
+  """The BPE corpus prepared by 2 worker processes, 100 documents per shard."""
+  out = str(corpus["root"] / "out2")
+  manifest = prep.prepare(corpus["jsonl"], format="jsonl", tokenizer=corpus["tokenizer"],
+                          output=out, add_bos=True, add_eos=True, num_workers=2,
+                          docs_per_shard=100, log=None)
+  return out, manifest
+
+
+def test_shards_and_manifest(corpus, two_workers):
+  out, manifest = two_workers
+  tok = load_tokenizer(corpus["tokenizer"])
+  assert manifest == prep.read_manifest(out)
+  assert manifest["version"] == 1
+  assert manifest["tokenizer"] == corpus["tokenizer"] and manifest["tokenizer_name"] == tok.name
+  assert (manifest["vocab_size"], manifest["bos_id"], manifest["eos_id"]) == (
+      tok.vocab_size, tok.bos_id, tok.eos_id)
+  assert manifest["add_bos"] and manifest["add_eos"]
+  assert (manifest["format"], manifest["field"]) == ("jsonl", "text")
+  assert manifest["skipped_records"] == 0
+  assert [s["file"] for s in manifest["shards"]] == [
+      f"shard-{i:05d}-of-00003.arrayrecord" for i in range(3)]
+  assert [s["documents"] for s in manifest["shards"]] == [100, 100, 100]
+  totals = manifest["totals"]
+  assert totals == {"documents": NUM_DOCS, "shards": 3,
+                    "tokens": sum(s["tokens"] for s in manifest["shards"])}
+
+  source = ArrayRecordTokenSource(os.path.join(out, "*.arrayrecord"))
+  assert len(source) == NUM_DOCS and source.num_tokens() == totals["tokens"]
+  for i, text in enumerate(corpus["docs"]):
+    ids = source[i]
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert tok.decode(ids[1:-1]) == text
+  assert sum(len(source[i]) for i in range(len(source))) == totals["tokens"]
+
+
+def test_output_does_not_depend_on_num_workers(corpus, two_workers):
+  out2, manifest2 = two_workers
+  out1 = str(corpus["root"] / "out1")
+  manifest1 = prep.prepare(corpus["jsonl"], format="jsonl", tokenizer=corpus["tokenizer"],
+                           output=out1, add_bos=True, add_eos=True, num_workers=1,
+                           docs_per_shard=100, log=None)
+  assert manifest1 == manifest2
+  a, b = shard_bytes(out1), shard_bytes(out2)
+  assert list(a) == list(b) and len(a) == 6  # 3 shards and their .lengths.npy sidecars
+  if a != b:  # ArrayRecord need not be byte-stable; the tokens must be
+    s1 = ArrayRecordTokenSource(os.path.join(out1, "*.arrayrecord"))
+    s2 = ArrayRecordTokenSource(os.path.join(out2, "*.arrayrecord"))
+    assert all(np.array_equal(s1[i], s2[i]) for i in range(NUM_DOCS))
+
+
+def test_refuses_to_overwrite_and_overwrite_replaces_stale_shards(corpus, tmp_path):
+  out = tmp_path / "out"
+  kwargs = dict(format="jsonl", tokenizer="byte", output=str(out), num_workers=1, log=None)
+  prep.prepare(corpus["jsonl"], docs_per_shard=100, **kwargs)
+  before = shard_bytes(out)
+  with pytest.raises(DataError, match="already holds a prepared corpus.*overwrite"):
+    prep.prepare(corpus["jsonl"], docs_per_shard=50, **kwargs)
+  assert shard_bytes(out) == before  # refused before touching anything
+
+  manifest = prep.prepare(corpus["jsonl"], docs_per_shard=50, overwrite=True, **kwargs)
+  assert manifest["totals"]["shards"] == 6
+  # The 3-shard run's files are gone, so a glob over the directory sees only this run.
+  names = sorted(n for n in os.listdir(out) if n.endswith(".arrayrecord"))
+  assert names == [f"shard-{i:05d}-of-00006.arrayrecord" for i in range(6)]
+  assert len(ArrayRecordTokenSource(str(out / "*.arrayrecord"))) == NUM_DOCS
+
+
+def test_cli(corpus, tmp_path):
+  out = tmp_path / "cli_out"
+  result = run_cli("--input", corpus["jsonl"], "--format", "jsonl", "--field", "text",
+                   "--tokenizer", corpus["tokenizer"], "--output", str(out), "--num_workers", "2",
+                   "--docs_per_shard", "120", "--no_add_eos", cwd=tmp_path)
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.strip().splitlines()
+  assert sum(line.startswith("shard ") for line in lines) == 3
+  assert re.fullmatch(r"shard 3/3: 60 docs, \S+ tokens", lines[-3])
+  m = LAST_LINE_RE.fullmatch(lines[-1])
+  assert m, lines[-1]
+  manifest = prep.read_manifest(out)
+  assert not manifest["add_eos"] and not manifest["add_bos"]
+  assert [int(g) for g in m.groups()[:3]] == [
+      NUM_DOCS, manifest["totals"]["tokens"], manifest["totals"]["shards"]]
+  assert int(m.group(4)) > 0
+
+
+def test_cli_glob_matching_nothing(tmp_path):
+  result = run_cli("--input", str(tmp_path / "nothing-*.jsonl"), "--format", "jsonl",
+                   "--tokenizer", "byte", "--output", str(tmp_path / "out"), cwd=tmp_path)
+  assert result.returncode == 2
+  assert result.stdout == ""
+  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+  assert result.stderr.startswith("error: --input: no files match") and "Traceback" not in (
+      result.stderr)
+  assert not (tmp_path / "out").exists()
+
+
+def test_byte_tokenizer_on_text_files(tmp_path):
+  docs = ["plain ascii", "zweite Zeile: äöü ß\n", "日本語のテキスト 🚀", "", "x" * 1000]
+  for i, d in enumerate(docs):
+    (tmp_path / "in" / f"{i:02d}.txt").parent.mkdir(exist_ok=True)
+    (tmp_path / "in" / f"{i:02d}.txt").write_text(d, encoding="utf-8")
+  out = tmp_path / "out"
+  manifest = prep.prepare(str(tmp_path / "in" / "*.txt"), format="text", tokenizer="byte",
+                          output=str(out), num_workers=1, docs_per_shard=2, log=None)
+  assert manifest["field"] is None and manifest["totals"]["shards"] == 3
+  tok = load_tokenizer("byte")
+  source = ArrayRecordTokenSource(str(out / "*.arrayrecord"))
+  assert [tok.decode(source[i]) for i in range(len(source))] == docs
+  assert all(source[i][-1] == tok.eos_id for i in range(len(source)))
+  lengths = [len(d.encode("utf-8")) + 1 for d in docs]
+  assert manifest["totals"]["tokens"] == sum(lengths)
+  assert source.doc_lengths().tolist() == lengths  # the sidecars match the records
+
+
+def test_bad_records_fail_or_skip(tmp_path):
+  path = tmp_path / "bad.jsonl"
+  path.write_text('{"text": "good one"}\n{"text": 3}\nnot json\n{"text": "good two"}\n',
+                  encoding="utf-8")
+  kwargs = dict(format="jsonl", tokenizer="byte", num_workers=1, log=None)
+  with pytest.raises(DataError, match=r"bad\.jsonl:2: field 'text' is a number"):
+    prep.prepare(str(path), output=str(tmp_path / "fail"), **kwargs)
+  assert not os.path.exists(tmp_path / "fail" / "manifest.json")  # a failed run is incomplete
+  manifest = prep.prepare(str(path), output=str(tmp_path / "skip"), on_bad_record="skip", **kwargs)
+  assert manifest["skipped_records"] == 2 and manifest["totals"]["documents"] == 2
+
+  # Text files are read by the workers: an invalid UTF-8 file is skipped there.
+  (tmp_path / "t").mkdir()
+  (tmp_path / "t" / "a.txt").write_text("fine", encoding="utf-8")
+  (tmp_path / "t" / "b.txt").write_bytes(b"\xff\xfe broken")
+  manifest = prep.prepare(str(tmp_path / "t" / "*.txt"), format="text", tokenizer="byte",
+                          output=str(tmp_path / "tskip"), on_bad_record="skip", num_workers=1,
+                          log=None)
+  assert manifest["skipped_records"] == 1 and manifest["totals"]["documents"] == 1
+
+
+def test_empty_input_and_bad_arguments(tmp_path):
+  blank = tmp_path / "blank.jsonl"
+  blank.write_text("\n  \n", encoding="utf-8")
+  with pytest.raises(DataError, match="empty corpus"):
+    prep.prepare(str(blank), format="jsonl", tokenizer="byte", output=str(tmp_path / "o"),
+                 log=None)
+  with pytest.raises(ConfigError, match="format='csv'"):
+    prep.prepare(str(blank), format="csv", tokenizer="byte", output=str(tmp_path / "o"))
+  with pytest.raises(ConfigError, match="num_workers=0"):
+    prep.prepare(str(blank), format="jsonl", tokenizer="byte", output=str(tmp_path / "o"),
+                 num_workers=0)
+
+
+def test_read_manifest_errors(corpus, tmp_path):
+  with pytest.raises(DataError, match=r"no manifest\.json.*jaxtrain\.data\.prepare"):
+    prep.read_manifest(tmp_path)
+  out = tmp_path / "out"
+  prep.prepare(corpus["jsonl"], format="jsonl", tokenizer="byte", output=str(out),
+               num_workers=1, docs_per_shard=100, log=None)
+  os.remove(out / "shard-00001-of-00003.arrayrecord")
+  with pytest.raises(DataError, match="shard-00001-of-00003.arrayrecord, which is missing"):
+    prep.read_manifest(out)
