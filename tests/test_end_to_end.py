@@ -102,3 +102,24 @@ def test_two_processes_train_over_one_global_mesh(tmp_path):
     records = [json.loads(line) for line in f]
   assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
   assert not os.path.exists(tmp_path / "1" / "metrics.jsonl")  # only process 0 writes
+
+
+@pytest.mark.slow
+def test_prepare_then_train_on_the_shards(tmp_path):
+  """JSONL + a freshly trained BPE → `jaxtrain.data.prepare` → training from the shards."""
+  from jaxtrain.data.prepare import prepare  # pylint: disable=import-outside-toplevel
+  from tests.test_prepare import make_docs, train_bpe, write_jsonl  # pylint: disable=import-outside-toplevel
+  docs = make_docs(600)
+  corpus = write_jsonl(tmp_path / "corpus.jsonl", docs)
+  tokenizer = train_bpe(str(tmp_path / "tok"), docs)
+  manifest = prepare(corpus, format="jsonl", tokenizer=f"hf:{tokenizer}",
+                     output=str(tmp_path / "prepared"), num_workers=1, log=None)
+  assert manifest["vocab_size"] <= 384
+  _, records = _run(tmp_path / "run", "--config.data.source=arrayrecord",
+                    f"--config.data.train_paths={tmp_path / 'prepared' / '*.arrayrecord'}",
+                    "--config.train.steps=40", "--config.train.log_every=10",
+                    "--config.train.eval_every=40", "--config.optim.warmup_steps=5",
+                    "--config.optim.learning_rate=5e-3")
+  losses = [r["loss"] for r in records if "loss" in r]
+  assert losses[-1] < losses[0] - 1.0, losses
+  assert [r for r in records if "eval_loss" in r][-1]["eval_loss"] < 4.5
