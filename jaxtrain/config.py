@@ -95,6 +95,9 @@ def default_config() -> ml_collections.ConfigDict:
   # the completion) or "chat" ({"messages": [...]}, the tokenizer's chat template: loss on the
   # assistant turns).
   c.data.format = "text"
+  # Several sources sampled by weight: name -> {data.* keys to override, weight}. Define it in
+  # a config file; override weights on the command line (--config.data.mixture.web.weight=0.7).
+  c.data.mixture = ml_collections.ConfigDict()
   c.data.tokenizer = "byte"  # "byte", "hf:PATH/tokenizer.json", "sentencepiece:PATH.model"
   c.data.add_bos = False
   c.data.add_eos = True

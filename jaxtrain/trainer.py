@@ -88,7 +88,8 @@ def evaluate(setup: Setup, params, eval_batches: Iterable[dict]) -> float:
 
 
 def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConfig,
-                 peak: float | None, peak_source: str, packing: float | None) -> str:
+                 peak: float | None, peak_source: str, packing: float | None,
+                 data_rows: list[tuple[str, str]]) -> str:
   t = config.train
   flops_per_token = metrics_lib.flops_per_token(model_cfg, t.seq_len)
   devices = jax.devices()
@@ -116,8 +117,10 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
                  f"{model_cfg.remat_policy}, attention {model_cfg.attention_impl}"),
       ("steps", f"{t.steps} (eval every {t.eval_every}, {t.eval_batches} batches)"),
   ]
+  rows += data_rows
   if packing is not None:
-    rows.append(("packing efficiency", f"{100 * packing:.1f}% non-padding tokens"))
+    rows.append(("packing efficiency", f"{100 * packing:.1f}% of target slots carry loss "
+                                       f"(first batch)"))
   return metrics_lib.format_table(rows)
 
 
@@ -137,8 +140,8 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
   first_batch = next(train_iter)
   packing = float(np.mean(first_batch["loss_mask"]))
   if is_chief:
-    print(_start_table(config, mesh, mesh_shape, setup.model_cfg, peak, peak_source, packing),
-          flush=True)
+    print(_start_table(config, mesh, mesh_shape, setup.model_cfg, peak, peak_source, packing,
+                       data_lib.summary(config)), flush=True)
 
   state = init_state(setup, t.seed)
   writer = None

@@ -2,20 +2,21 @@
 
 from jaxtrain.train_step import BATCH_KEYS  # the batch contract of the train step
 from jaxtrain.data.pipeline import SOURCES
-from jaxtrain.data.pipeline import describe
+from jaxtrain.data.pipeline import load_mixture
 from jaxtrain.data.pipeline import load_sources
 from jaxtrain.data.pipeline import make_eval_batches
 from jaxtrain.data.pipeline import make_train_iterator
 from jaxtrain.data.pipeline import packed_batch_dataset
 from jaxtrain.data.pipeline import packing_stats
 from jaxtrain.data.pipeline import piece_index
+from jaxtrain.data.pipeline import summary
 from jaxtrain.data.stdlib_corpus import BYTE_VOCAB_SIZE
 from jaxtrain.data.stdlib_corpus import EOS_ID
 from jaxtrain.data.stdlib_corpus import ByteDocumentSource
 from jaxtrain.data.stdlib_corpus import unigram_entropy
 
 __all__ = [
-    "BATCH_KEYS", "BYTE_VOCAB_SIZE", "EOS_ID", "SOURCES", "ByteDocumentSource", "describe",
+    "BATCH_KEYS", "BYTE_VOCAB_SIZE", "EOS_ID", "SOURCES", "ByteDocumentSource", "load_mixture",
     "load_sources", "make_eval_batches", "make_train_iterator", "packed_batch_dataset",
-    "packing_stats", "piece_index", "unigram_entropy",
+    "packing_stats", "piece_index", "summary", "unigram_entropy",
 ]

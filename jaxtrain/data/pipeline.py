@@ -200,7 +200,41 @@ def _load_cached(data_items: tuple):
 def load_sources(config):
   """(train, eval) document sources for `config.data`, after validating source and vocab."""
   _source_spec(config)
-  return _load_cached(tuple(sorted(config.data.to_dict().items())))
+  items = {k: v for k, v in config.data.to_dict().items() if k != "mixture"}
+  return _load_cached(tuple(sorted(items.items())))
+
+
+def load_mixture(config) -> list[tuple[float, Any, Any]]:
+  """[(weight, train, eval)] of the sources in `data.mixture`, or of `data` alone.
+
+  Each entry of data.mixture (a name -> dict of data.* keys plus `weight`) overrides the
+  top-level data.* keys for that component, e.g. its own source, train_paths and format; the
+  weights are normalized to sum to 1.
+  """
+  mixture = config.data.get("mixture")
+  if not mixture:
+    train, evals = load_sources(config)
+    return [(1.0, train, evals)]
+  weights = {}
+  for name, part in mixture.items():
+    if "weight" not in part:
+      raise ConfigError(f"data.mixture.{name}: has no weight; give each component a positive "
+                        f"weight, e.g. data.mixture.{name}.weight=0.5")
+    weights[name] = part["weight"]
+  weights = sources.check_mixture_weights(weights)
+  components = []
+  for name, part in mixture.items():
+    unknown = set(part) - set(config.data) - {"weight"}
+    if unknown:
+      raise ConfigError(f"data.mixture.{name}: unknown keys {sorted(unknown)}; a component "
+                        f"takes data.* keys (source, train_paths, field, format, tokenizer, ...) "
+                        f"and weight")
+    data_items = {k: v for k, v in config.data.items() if k != "mixture"}
+    data_items.update({k: v for k, v in part.items() if k != "weight"})
+    component = ml_collections.ConfigDict({"data": data_items, "model": config.model.to_dict()})
+    train, evals = load_sources(component)
+    components.append((weights[name], train, evals))
+  return components
 
 
 def piece_index(doc_lengths_N: np.ndarray, seq_len: int) -> np.ndarray:
@@ -279,18 +313,23 @@ def packed_batch_dataset(source, config, *, seed: int, shuffle: bool, process_in
                          process_count: int = 1, num_workers: int = 0) -> grain.IterDataset:
   """Infinite IterDataset of batches in `BATCH_KEYS` format from any document source.
 
-  `source` needs `doc_lengths()` and `read(doc, start, stop)` (see
-  `stdlib_corpus.ByteDocumentSource`); it must pickle when num_workers > 0.
+  `source` is a token source (`doc_lengths()` and `read(doc, start, stop)`, see
+  `stdlib_corpus.ByteDocumentSource`), a `text_docs.TokenizedText`, or a list of
+  `(source, weight)` whose pieces are mixed in proportion to the weights before packing. Sources
+  must pickle when num_workers > 0.
   """
   _check_process(process_index, process_count)
   seq_len = config.train.seq_len
   batch_size = _local_batch_size(config, process_count)
-  if isinstance(source, text_docs.TokenizedText):
-    it = _text_pieces(source, config, seed=seed, shuffle=shuffle, process_index=process_index,
-                      process_count=process_count)
-  else:
-    it = _token_pieces(source, config, seed=seed, shuffle=shuffle, process_index=process_index,
-                       process_count=process_count)
+  parts = source if isinstance(source, list) else [(source, 1.0)]
+  streams = []
+  for i, (part, _) in enumerate(parts):
+    pieces = _text_pieces if isinstance(part, text_docs.TokenizedText) else _token_pieces
+    # Each component gets its own shuffle seed, so equal corpora do not mirror each other.
+    streams.append(pieces(part, config, seed=seed + i, shuffle=shuffle,
+                          process_index=process_index, process_count=process_count))
+  it = streams[0] if len(streams) == 1 else grain.IterDataset.mix(
+      streams, [w for _, w in parts])
   it = grain.experimental.FirstFitPackIterDataset(
       it, length_struct={"inputs": seq_len, "targets": seq_len, "weights": seq_len},
       num_packing_bins=_NUM_PACKING_BINS, seed=seed, shuffle_bins=shuffle)
@@ -348,7 +387,7 @@ def make_train_iterator(config, *, process_index: int = 0,
   workers, call `close()` when done; spawned workers re-import `__main__`, so scripts need an
   `if __name__ == "__main__":` guard.
   """
-  train_source, _ = load_sources(config)
+  train_source = [(train, w) for w, train, _ in load_mixture(config)]
   ds = packed_batch_dataset(train_source, config, seed=int(config.data.seed), shuffle=True,
                             process_index=process_index, process_count=process_count,
                             num_workers=int(config.data.num_workers))
@@ -363,7 +402,7 @@ def make_eval_batches(config, *, process_index: int = 0,
   evaluation scores the same tokens and losses are comparable across steps. Built in-process:
   a few batches do not justify starting workers.
   """
-  _, eval_source = load_sources(config)
+  eval_source = [(evals, w) for w, _, evals in load_mixture(config)]
   ds = packed_batch_dataset(eval_source, config,
                             seed=int(config.data.seed) + _EVAL_SEED_OFFSET, shuffle=True,
                             process_index=process_index, process_count=process_count)
@@ -383,24 +422,28 @@ def packing_stats(batches) -> dict[str, float]:
   return {"packing_efficiency": real / max(slots, 1), "pieces_per_row": segments / max(rows, 1)}
 
 
-def describe(config, *, num_batches: int = 8) -> dict[str, object]:
-  """Facts the trainer logs at startup: split sizes, unigram-entropy baseline (the loss of a
-  context-free model, in nats per token) and the packing efficiency of the first train batches."""
-  train_source, eval_source = load_sources(config)
-  # In-process even when data.num_workers > 0: a few batches do not justify starting workers.
-  it = iter(packed_batch_dataset(train_source, config, seed=int(config.data.seed),
-                                 shuffle=True))
-  stats = packing_stats(_take(it, num_batches))
-  return {
-      "source": config.data.source,
-      "train_docs": len(train_source),
-      "eval_docs": len(eval_source),
-      "train_tokens": train_source.num_tokens(),
-      "eval_tokens": eval_source.num_tokens(),
-      "train_unigram_entropy": stdlib_corpus.unigram_entropy(
-          train_source[i] for i in range(len(train_source))),
-      **stats,
-  }
+def summary(config, *, sample_docs: int = 256) -> list[tuple[str, str]]:
+  """Rows for the run's start table: each source, its train/eval documents, and how many
+  documents are longer than train.seq_len (split into several pieces; exact where lengths are
+  known, estimated from the first `sample_docs` documents of raw sources)."""
+  rows = []
+  seq_len = config.train.seq_len
+  for weight, train, evals in load_mixture(config):
+    base = train.source if isinstance(train, (text_docs.TokenizedText, DocumentSubset)) else train
+    what = base.describe() if hasattr(base, "describe") else config.data.source
+    prefix = f"{weight:.0%} " if weight < 1 else ""
+    rows.append(("data", f"{prefix}{what}: {len(train):,} train / {len(evals):,} eval documents"))
+    if isinstance(train, text_docs.TokenizedText):
+      n = min(sample_docs, len(train))
+      long_docs = sum(len(train[i]["targets"]) > seq_len for i in range(n))
+      rows.append(("long documents", f"{long_docs} of the first {n} have more than {seq_len} "
+                                     f"tokens (split into pieces)"))
+    else:
+      lengths = np.asarray(train.doc_lengths())
+      long_docs = int((lengths - 1 > seq_len).sum())
+      rows.append(("long documents", f"{long_docs:,} of {len(lengths):,} have more than "
+                                     f"{seq_len} tokens (split into pieces)"))
+  return rows
 
 
 def _take(it: Iterator, n: int):
