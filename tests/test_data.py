@@ -152,17 +152,21 @@ def test_determinism_and_seed():
   assert not np.array_equal(other["inputs"], next(data.make_train_iterator(c))["inputs"])
 
 
-def test_get_state_set_state_resumes():
-  c = small_config()
-  it = data.make_train_iterator(c)
-  take(it, 2)
-  state = it.get_state()
+def assert_resumes(config, before=2, after=3):
+  """`before` batches, save the state, `after` more; a new iterator restored from the state
+  gives the same `after` batches."""
+  it = data.make_train_iterator(config)
+  take(it, before)
   # The state must survive JSON, which is how grain's Orbax handler stores it.
-  state = json.loads(json.dumps(state))
-  expected = take(it, 3)
-  resumed = data.make_train_iterator(c)
+  state = json.loads(json.dumps(it.get_state()))
+  expected = take(it, after)
+  resumed = data.make_train_iterator(config)
   resumed.set_state(state)
-  assert_batches_equal(take(resumed, 3), expected)
+  assert_batches_equal(take(resumed, after), expected)
+
+
+def test_get_state_set_state_resumes():
+  assert_resumes(small_config())
 
 
 def test_process_sharding():

@@ -1,7 +1,5 @@
 """A weighted mixture of sources (data.mixture)."""
 
-import json
-
 import ml_collections
 import numpy as np
 import pytest
@@ -9,7 +7,7 @@ import pytest
 from jaxtrain import data
 from jaxtrain.config import ConfigError
 from jaxtrain.data import sources
-from tests.test_data import assert_batches_equal, small_config, take
+from tests.test_data import assert_resumes, small_config, take
 from tests.test_data_text import _jsonl
 
 MARK = "\u00e9"  # JSONL documents are all é (bytes 0xC3 0xA9): easy to tell from stdlib code
@@ -39,13 +37,7 @@ def test_pieces_follow_the_weights(tmp_path):
 
 def test_mixture_resumes_exactly(tmp_path):
   c = _config(tmp_path, 0.5, 0.5)
-  it = data.make_train_iterator(c)
-  take(it, 3)
-  state = json.loads(json.dumps(it.get_state()))
-  expected = take(it, 3)
-  resumed = data.make_train_iterator(c)
-  resumed.set_state(state)
-  assert_batches_equal(take(resumed, 3), expected)
+  assert_resumes(c)
   assert len(data.make_eval_batches(c)) == c.train.eval_batches
 
 

@@ -11,7 +11,7 @@ import pytest
 from jaxtrain import data
 from jaxtrain.config import ConfigError
 from jaxtrain.data import sources
-from tests.test_data import T, assert_batches_equal, small_config, take
+from tests.test_data import T, assert_batches_equal, assert_resumes, small_config, take
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -75,14 +75,7 @@ def test_long_documents_are_split_into_pieces(tmp_path):
 
 
 def test_resume_from_state(tmp_path):
-  c = _config(_jsonl(tmp_path, _texts(100)))
-  it = data.make_train_iterator(c)
-  take(it, 3)
-  state = json.loads(json.dumps(it.get_state()))
-  expected = take(it, 3)
-  resumed = data.make_train_iterator(c)
-  resumed.set_state(state)
-  assert_batches_equal(take(resumed, 3), expected)
+  assert_resumes(_config(_jsonl(tmp_path, _texts(100))))
 
 
 def test_text_files_and_parquet(tmp_path):
