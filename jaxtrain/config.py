@@ -107,6 +107,15 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.seed = 0
   c.data.num_workers = 0
 
+  c.checkpoint = ml_collections.ConfigDict()
+  # Save every N steps and at the end (0: no checkpoints). The same command with the same
+  # --workdir then resumes from the latest complete checkpoint.
+  c.checkpoint.every_steps = 0
+  c.checkpoint.max_to_keep = 3  # 0: keep all
+  c.checkpoint.keep_every = 0  # also keep every M-th step for good (0: none)
+  c.checkpoint.directory = ""  # default WORKDIR/checkpoints; any path Orbax supports (gs://...)
+  c.checkpoint.async_save = True
+
   c.log = ml_collections.ConfigDict()
   c.log.tensorboard = True
   return c
@@ -267,6 +276,9 @@ def validate(config, num_devices: int, platform: str = "cpu") -> MeshShape:
     if rs.high_freq_factor <= rs.low_freq_factor:
       raise ConfigError(f"model.rope_scaling.high_freq_factor={rs.high_freq_factor}: must exceed "
                         f"low_freq_factor={rs.low_freq_factor}")
+  for key in ("every_steps", "max_to_keep", "keep_every"):
+    if config.checkpoint[key] < 0:
+      raise ConfigError(f"checkpoint.{key}={config.checkpoint[key]}: must be >= 0")
   if config.data.num_workers < 0:
     raise ConfigError(f"data.num_workers={config.data.num_workers}: must be >= 0")
   if not 0.0 < config.data.eval_fraction < 1.0:

@@ -7,6 +7,7 @@ array → jit train_step (donated state) → metrics fetched one step late → w
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from typing import Any, Callable, Iterable
@@ -17,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxtrain import data as data_lib
+from jaxtrain.checkpoint import Checkpointer, abstract_like
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import optim
 from jaxtrain.config import MeshShape
@@ -137,16 +139,20 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
                                             process_count=jax.process_count())
   peak, peak_source = metrics_lib.peak_flops_for_devices(jax.devices())
   flops_per_token = metrics_lib.flops_per_token(setup.model_cfg, t.seq_len)
+  ckpt = _checkpointer(config, workdir)
+  state, start_step = _restore_or_init(setup, ckpt, train_iter, t.seed)
+  # Taken after any restore: the iterator then continues where the checkpoint left it.
   first_batch = next(train_iter)
   packing = float(np.mean(first_batch["loss_mask"]))
+  writer = None
   if is_chief:
     print(_start_table(config, mesh, mesh_shape, setup.model_cfg, peak, peak_source, packing,
                        data_lib.summary(config)), flush=True)
-
-  state = init_state(setup, t.seed)
-  writer = None
-  if is_chief:
-    _set_aside_previous_metrics(workdir)
+    if start_step:
+      print(f"resumed from step {start_step}: {ckpt.directory}/{start_step}", flush=True)
+      _drop_metrics_after(workdir, start_step)
+    else:
+      _set_aside_previous_metrics(workdir)
     writer = metrics_lib.MetricsWriter(workdir, tensorboard=config.log.tensorboard,
                                        total_steps=t.steps)
   meter = _Throughput(t.global_batch_size * t.seq_len, flops_per_token, peak)
@@ -154,12 +160,15 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
   last: dict[str, float] = {}
   try:
     with jax.set_mesh(mesh):
-      for step in range(1, t.steps + 1):
+      for step in range(start_step + 1, t.steps + 1):
         wait_start = time.perf_counter()
-        local = first_batch if step == 1 else next(train_iter)
+        local = first_batch if step == start_step + 1 else next(train_iter)
         meter.data_wait_s += time.perf_counter() - wait_start
         state, step_metrics = setup.train_step(state, to_global_batch(local, mesh))
-        if step == 1:
+        if ckpt and ckpt.should_save(step, t.steps):
+          # Blocks only to copy the state off the devices; files are written in the background.
+          ckpt.save(step, state, train_iter, {"step": step, "config": config.to_dict()})
+        if step == start_step + 1:
           # Step 1 includes compilation; throughput is measured from its end.
           jax.block_until_ready(step_metrics)
           meter.restart(step)
@@ -182,7 +191,53 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
   finally:
     if writer:
       writer.close()
+    if ckpt:
+      ckpt.close()  # waits for the last save to be committed
   return {"loss": last.get("loss", float("nan")), "eval_loss": last.get("eval_loss", float("nan"))}
+
+
+def _checkpointer(config, workdir: str) -> Checkpointer | None:
+  c = config.checkpoint
+  if c.every_steps <= 0:
+    return None
+  return Checkpointer(c.directory or os.path.join(workdir, "checkpoints"),
+                      every_steps=c.every_steps, max_to_keep=c.max_to_keep or None,
+                      keep_period=c.keep_every or None, async_save=c.async_save)
+
+
+def _restore_or_init(setup: Setup, ckpt: Checkpointer | None, train_iter,
+                     seed: int) -> tuple[TrainState, int]:
+  """(state, step): the latest complete checkpoint restored onto this run's shardings (the data
+  iterator too), or a fresh sharded init at step 0."""
+  step = ckpt.latest_step() if ckpt else None
+  if step is None:
+    return init_state(setup, seed), 0
+  with jax.set_mesh(setup.mesh):
+    shapes = jax.eval_shape(setup.init_fn, jax.random.key(seed))
+  state, _ = ckpt.restore(step, abstract_like(shapes, setup.shardings), train_iter)
+  return state, step
+
+
+def _drop_metrics_after(workdir: str, step: int):
+  """A resumed run recomputes the steps after its checkpoint: their records from the
+  interrupted run are removed so metrics.jsonl has each step once."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return
+  with open(path, encoding="utf-8") as f:
+    lines = f.readlines()
+  kept = [l for l in lines if l.strip() and _record_step(l) <= step]
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
+
+
+def _record_step(line: str) -> int:
+  try:
+    return int(json.loads(line).get("step", 0))
+  except ValueError:  # a line cut short by a hard kill
+    return 1 << 62
 
 
 def _set_aside_previous_metrics(workdir: str):
