@@ -72,6 +72,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.eval_batches = 4
   # Tokens per chunk of the cross-entropy; bounds the float32 logits temporary to [B, chunk, V].
   c.train.loss_chunk_size = 512
+  # Steps with a NaN/Inf loss or gradient skip their update; this many in a row stop the run.
+  c.train.max_consecutive_bad_steps = 10
 
   c.optim = ml_collections.ConfigDict()
   c.optim.learning_rate = 3e-4
@@ -213,7 +215,8 @@ def validate(config, num_devices: int, platform: str = "cpu") -> MeshShape:
               "model.rope_theta", "model.max_position_embeddings", "train.steps",
               "train.global_batch_size", "train.seq_len", "train.grad_accum_steps",
               "train.log_every", "train.eval_every", "train.eval_batches",
-              "train.loss_chunk_size", "optim.learning_rate"):
+              "train.loss_chunk_size", "train.max_consecutive_bad_steps",
+              "optim.learning_rate"):
     _positive(config, key)
   for key in ("optim.warmup_steps", "optim.weight_decay", "optim.grad_clip_norm",
               "optim.min_lr_ratio"):

@@ -70,6 +70,11 @@ def main(argv):
   except DataError as e:
     print(f"data error: {e}", file=sys.stderr)
     sys.exit(2)
+  except trainer.TrainingHealthError as e:
+    print(f"training stopped: {e}", file=sys.stderr)
+    sys.exit(1)
+  if result["preempted_at"] is not None:
+    return  # exit 0: a preempted run that saved its state is not a failure
   if jax.process_index() == 0:
     print(f"done in {time.perf_counter() - start:.1f}s: final loss {result['loss']:.4f}, "
           f"eval loss {result['eval_loss']:.4f}; "

@@ -26,6 +26,7 @@ class TrainState(struct.PyTreeNode):
   step: jax.Array
   params: Any  # nnx.State of the model's Params
   opt_state: optax.OptState
+  bad_streak: jax.Array  # consecutive steps skipped for a non-finite loss or gradient
 
 
 def chunked_cross_entropy(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
@@ -135,15 +136,25 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
 
   def train_step(state: TrainState, batch: Batch):
     loss, count, grads = grad_fn(state.params, batch)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    # A NaN/Inf loss or gradient skips the update (params and optimizer state unchanged) rather
+    # than poisoning the weights; the trainer stops after too many in a row.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    bad_streak = jnp.where(finite, 0, state.bad_streak + 1)
     metrics = {
         "loss": loss,
-        "grad_norm": optax.tree.norm(grads),
+        "grad_norm": grad_norm,
         "learning_rate": schedule(state.step),
         "tokens": count,
+        "skipped": 1.0 - finite.astype(jnp.float32),
+        "bad_streak": bad_streak,
     }
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return state.replace(step=state.step + 1, params=keep(params, state.params),
+                         opt_state=keep(opt_state, state.opt_state),
+                         bad_streak=bad_streak), metrics
 
   return train_step
 
@@ -164,7 +175,8 @@ def opt_state_shardings(tx, abstract_params, param_shardings, mesh: Mesh):
 
 def state_shardings(tx, abstract_params, param_shardings, mesh: Mesh) -> TrainState:
   return TrainState(step=replicated(mesh), params=param_shardings,
-                    opt_state=opt_state_shardings(tx, abstract_params, param_shardings, mesh))
+                    opt_state=opt_state_shardings(tx, abstract_params, param_shardings, mesh),
+                    bad_streak=replicated(mesh))
 
 
 def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import threading
 import time
 from typing import Any, Callable, Iterable
 
@@ -53,7 +55,8 @@ def build(config, mesh: Mesh) -> Setup:
 
   def init(key):
     params = make_params(key)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      bad_streak=jnp.zeros((), jnp.int32))
 
   init_fn = jax.jit(init, out_shardings=shardings)
   step = make_train_step(graphdef, tx, schedule,
@@ -157,9 +160,13 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
                                        total_steps=t.steps)
   meter = _Throughput(t.global_batch_size * t.seq_len, flops_per_token, peak)
   pending = None  # (step, device metrics), fetched after the next step is dispatched
+  previous_streak = None  # the last step's bad_streak, read one step late (no stall)
   last: dict[str, float] = {}
+  saved_step = start_step
+  skipped_steps = 0  # updates skipped for non-finite values, this session
+  stop = _StopOnSignal()
   try:
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), stop:
       for step in range(start_step + 1, t.steps + 1):
         wait_start = time.perf_counter()
         local = first_batch if step == start_step + 1 else next(train_iter)
@@ -167,13 +174,19 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
         state, step_metrics = setup.train_step(state, to_global_batch(local, mesh))
         if ckpt and ckpt.should_save(step, t.steps):
           # Blocks only to copy the state off the devices; files are written in the background.
-          ckpt.save(step, state, train_iter, {"step": step, "config": config.to_dict()})
+          ckpt.save(step, state, train_iter, _meta(config, step))
+          saved_step = step
         if step == start_step + 1:
           # Step 1 includes compilation; throughput is measured from its end.
           jax.block_until_ready(step_metrics)
           meter.restart(step)
+        if previous_streak is not None:
+          streak = int(previous_streak)
+          skipped_steps += streak > 0
+          _check_health(streak, step - 1, t.max_consecutive_bad_steps, ckpt)
+        previous_streak = step_metrics["bad_streak"]
         if pending is not None:
-          last.update(_log(writer, meter, *pending))
+          last.update(_log(writer, meter, *pending, skipped_steps=skipped_steps))
           pending = None
         if step % t.log_every == 0 or step == t.steps:
           pending = (step, step_metrics)
@@ -186,14 +199,71 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
           if writer:
             writer.write_eval(step, last["eval_loss"])
           meter.exclude(time.perf_counter() - eval_start)
+        if stop.requested:
+          if ckpt and saved_step != step:
+            ckpt.save(step, state, train_iter, _meta(config, step))
+          if ckpt:
+            ckpt.wait()
+          last["preempted_at"] = step
+          if is_chief:
+            where = (f"checkpoint of step {step} saved in {ckpt.directory}; rerun the same "
+                     f"command to resume" if ckpt else "no checkpoint (checkpoint.every_steps=0)")
+            print(f"stopping after step {step} on {stop.signal_name}: {where}", flush=True)
+          break
+      if previous_streak is not None:
+        skipped_steps += int(previous_streak) > 0
       if pending is not None:
-        last.update(_log(writer, meter, *pending))
+        last.update(_log(writer, meter, *pending, skipped_steps=skipped_steps))
+      if previous_streak is not None and "preempted_at" not in last:
+        _check_health(int(previous_streak), t.steps, t.max_consecutive_bad_steps, ckpt)
   finally:
     if writer:
       writer.close()
     if ckpt:
       ckpt.close()  # waits for the last save to be committed
-  return {"loss": last.get("loss", float("nan")), "eval_loss": last.get("eval_loss", float("nan"))}
+  return {"loss": last.get("loss", float("nan")), "eval_loss": last.get("eval_loss", float("nan")),
+          "preempted_at": last.get("preempted_at")}
+
+
+class TrainingHealthError(RuntimeError):
+  """Too many consecutive non-finite steps: the run stops, keeping its last checkpoint."""
+
+
+def _check_health(bad_streak: int, step: int, limit: int, ckpt: Checkpointer | None):
+  if bad_streak >= limit:
+    kept = (f"the last checkpoint (step {ckpt.latest_step()}) is kept in {ckpt.directory}"
+            if ckpt and ckpt.latest_step() is not None else "no checkpoint was saved")
+    raise TrainingHealthError(
+        f"{bad_streak} consecutive steps up to step {step} had a non-finite loss or gradient "
+        f"and were skipped (train.max_consecutive_bad_steps={limit}); {kept}. Lower "
+        f"optim.learning_rate, check the data, or use float32 compute")
+
+
+class _StopOnSignal:
+  """SIGTERM/SIGINT: finish the current step, checkpoint, exit cleanly. A second signal
+  aborts at once (exit code 1)."""
+
+  def __init__(self):
+    self.requested, self.signal_name, self._previous = False, "", {}
+
+  def _handle(self, signum, _frame):
+    if self.requested:
+      os._exit(1)  # pylint: disable=protected-access
+    self.requested, self.signal_name = True, signal.Signals(signum).name
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+def _meta(config, step: int) -> dict:
+  return {"step": step, "config": config.to_dict()}
 
 
 def _checkpointer(config, workdir: str) -> Checkpointer | None:
@@ -282,10 +352,12 @@ class _Throughput:
     return out
 
 
-def _log(writer, meter: _Throughput, step: int, device_metrics) -> dict[str, float]:
+def _log(writer, meter: _Throughput, step: int, device_metrics, *,
+         skipped_steps: int = 0) -> dict[str, float]:
   m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
   record = {"loss": m["loss"], "learning_rate": m["learning_rate"],
-            "grad_norm": m["grad_norm"], **meter.measure(step), "tokens": m["tokens"]}
+            "grad_norm": m["grad_norm"], **meter.measure(step), "tokens": m["tokens"],
+            "skipped": m["skipped"], "skipped_steps": skipped_steps}
   if writer:
     writer.write_train(step, record)
   return {"loss": m["loss"]}

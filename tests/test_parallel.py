@@ -1,6 +1,7 @@
 """Same loss and gradients on every mesh; gradient accumulation equals the full batch."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -87,3 +88,22 @@ def test_train_steps_match_across_meshes():
     runs[shape] = losses
   np.testing.assert_allclose(runs[(2, 2, 2)], runs[(1, 1, 1)], rtol=1e-5)
   assert runs[(1, 1, 1)][2] < runs[(1, 1, 1)][0]
+
+
+def test_non_finite_step_is_skipped():
+  """A step with a NaN loss leaves params and optimizer state untouched and counts the streak."""
+  config = small_config()
+  mesh = mesh_of((1, 1, 1))
+  setup = trainer.build(config, mesh)
+  state = trainer.init_state(setup, seed=0)
+  batch = packed_batch(8, 32, 128)
+  with jax.set_mesh(mesh):
+    state, _ = setup.train_step(state, trainer.to_global_batch(batch, mesh))
+    before = jax.device_get((state.params, state.opt_state))
+    poisoned = state.replace(params=jax.tree.map(lambda p: p * jnp.nan, state.params))
+    after, metrics = setup.train_step(poisoned, trainer.to_global_batch(batch, mesh))
+  assert float(metrics["skipped"]) == 1.0 and int(metrics["bad_streak"]) == 1
+  assert int(after.step) == 2
+  # The optimizer state is the pre-step one (the update was not applied).
+  for a, b in zip(jax.tree.leaves(jax.device_get(after.opt_state)), jax.tree.leaves(before[1])):
+    np.testing.assert_array_equal(a, b)

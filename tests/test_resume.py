@@ -100,3 +100,55 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "does not match this model config" in proc.stderr
+
+
+def _wait_for_step(proc, workdir, step):
+  path = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.time() + 300
+  while time.time() < deadline and proc.poll() is None:
+    if os.path.exists(path):
+      with open(path, encoding="utf-8") as f:
+        if any(json.loads(l).get("step", 0) >= step for l in f if l.strip().endswith("}")):
+          return
+    time.sleep(0.02)
+  raise AssertionError("the run never reached the step")
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_0_and_resume_continues(tmp_path):
+  args = ["--config.train.steps=2000", "--config.optim.decay_steps=2000",
+          "--config.train.log_every=1", "--config.train.eval_every=1000",
+          "--config.checkpoint.every_steps=1000"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py",
+         f"--workdir={tmp_path}", *SMALL]
+  proc = subprocess.Popen(cmd + args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  _wait_for_step(proc, tmp_path, 3)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 0, out[-2000:]
+  stopped = [l for l in out.splitlines() if l.startswith("stopping after step")]
+  assert stopped and "SIGTERM" in stopped[0], out[-2000:]
+  step = int(stopped[0].split()[3])
+  assert (tmp_path / "checkpoints" / str(step)).is_dir()
+  # The same command, asked to go two steps further, resumes where the first stopped.
+  args[0] = f"--config.train.steps={step + 2}"
+  resumed, records = _run(tmp_path, *args[1:], args[0])
+  assert f"resumed from step {step}" in resumed.stdout
+  assert [r["step"] for r in records if "loss" in r] == list(range(1, step + 3))
+
+
+@pytest.mark.slow
+def test_consecutive_non_finite_steps_stop_the_run(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py",
+       f"--workdir={tmp_path}", *SMALL, "--config.train.steps=30", "--config.train.log_every=1",
+       "--config.optim.learning_rate=1e35", "--config.optim.warmup_steps=0",
+       "--config.train.max_consecutive_bad_steps=3", "--config.checkpoint.every_steps=2"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert "3 consecutive steps" in proc.stderr and "last checkpoint" in proc.stderr
+  records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl", encoding="utf-8")]
+  assert any(r.get("skipped") == 1.0 for r in records)
