@@ -9,6 +9,7 @@ only after a save finishes).
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import grain
@@ -29,8 +30,12 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, keep_period=keep_period,
         enable_async_checkpointing=async_save, create=True)
-    self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                         item_names=("state", "data", "meta"))
+    # Handlers named up front so metadata (shapes) can be read before restoring.
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=options, item_names=("state", "data", "meta"),
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "data": grain.checkpoint.CheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -47,16 +52,41 @@ class Checkpointer:
   def restore(self, step: int, abstract_state: Any, data_iterator) -> tuple[Any, dict]:
     """(state on the abstract state's shardings, meta); the data iterator is restored in
     place. Shapes that differ from the model config fail with the mismatched parameters named."""
-    try:
-      restored = self.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state),
-          data=grain.checkpoint.CheckpointRestore(data_iterator),
-          meta=ocp.args.JsonRestore()))
-    except ValueError as e:
-      raise ConfigError(f"checkpoint {self.directory}/{step} does not match this model config "
-                        f"({_first_line(e)}); use the config it was saved with, or another "
-                        f"--workdir") from None
+    mismatches = shape_mismatches(self.manager.item_metadata(step)["state"], abstract_state)
+    if mismatches:
+      shown = [m for m in mismatches if m.startswith("params/")] or mismatches
+      raise ConfigError(f"checkpoint {self.directory}/{step} does not match this model config: "
+                        f"{'; '.join(shown[:6])}{' ...' if len(shown) > 6 else ''}; use the "
+                        f"config it was saved with, or another --workdir")
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state),
+        data=grain.checkpoint.CheckpointRestore(data_iterator),
+        meta=ocp.args.JsonRestore()))
     return restored.state, restored.meta
+
+  def restore_latest(self, abstract_state: Any, data_iterator) -> tuple[Any, int | None]:
+    """(state, step) of the newest checkpoint that restores; (None, None) when there is none.
+
+    A newest checkpoint with missing or truncated files is named in a warning and the one
+    before it is used. A checkpoint of another model (shape mismatch) is an error instead:
+    falling back would silently train from the wrong weights.
+    """
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        state, _ = self.restore(step, abstract_state, data_iterator)
+        return state, step
+      except ConfigError:
+        raise
+      except Exception as e:  # pylint: disable=broad-except
+        # Kept for inspection, but out of the manager's way: this run saves that step again.
+        aside = f"{self.directory}/{step}.corrupted-{int(time.time())}"
+        print(f"warning: checkpoint {self.directory}/{step} is incomplete or corrupted "
+              f"({type(e).__name__}: {_first_line(e)}); moved to {aside}, trying the one "
+              f"before it", flush=True)
+        if jax.process_index() == 0:
+          os.rename(f"{self.directory}/{step}", aside)
+        self.manager.reload()
+    return None, None
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -71,6 +101,23 @@ def abstract_like(state_shapes: Any, shardings: Any) -> Any:
   mesh."""
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                       state_shapes, shardings)
+
+
+def _path_name(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def shape_mismatches(saved_tree: Any, abstract_state: Any) -> list[str]:
+  """'path: checkpoint (shape) vs model (shape)' for every leaf that differs or is missing."""
+  def shapes(tree):
+    return {_path_name(p): tuple(leaf.shape)
+            for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+  saved, wanted = shapes(saved_tree), shapes(abstract_state)
+  out = [f"{k}: checkpoint {saved[k]} vs model {wanted[k]}"
+         for k in sorted(wanted) if k in saved and saved[k] != wanted[k]]
+  out += [f"{k}: not in the checkpoint" for k in sorted(set(wanted) - set(saved))]
+  out += [f"{k}: not in the model" for k in sorted(set(saved) - set(wanted))]
+  return out
 
 
 def _first_line(e: Exception) -> str:

@@ -279,12 +279,13 @@ def _restore_or_init(setup: Setup, ckpt: Checkpointer | None, train_iter,
                      seed: int) -> tuple[TrainState, int]:
   """(state, step): the latest complete checkpoint restored onto this run's shardings (the data
   iterator too), or a fresh sharded init at step 0."""
-  step = ckpt.latest_step() if ckpt else None
-  if step is None:
+  if ckpt is None or ckpt.latest_step() is None:
     return init_state(setup, seed), 0
   with jax.set_mesh(setup.mesh):
     shapes = jax.eval_shape(setup.init_fn, jax.random.key(seed))
-  state, _ = ckpt.restore(step, abstract_like(shapes, setup.shardings), train_iter)
+  state, step = ckpt.restore_latest(abstract_like(shapes, setup.shardings), train_iter)
+  if step is None:
+    return init_state(setup, seed), 0
   return state, step
 
 

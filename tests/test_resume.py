@@ -152,3 +152,18 @@ def test_consecutive_non_finite_steps_stop_the_run(tmp_path):
   assert "3 consecutive steps" in proc.stderr and "last checkpoint" in proc.stderr
   records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl", encoding="utf-8")]
   assert any(r.get("skipped") == 1.0 for r in records)
+
+
+@pytest.mark.slow
+def test_corrupted_latest_checkpoint_falls_back_to_the_previous(tmp_path):
+  args = ["--config.checkpoint.every_steps=2", "--config.train.log_every=1",
+          "--config.train.eval_every=100", "--config.optim.decay_steps=8"]
+  _run(tmp_path, *args, "--config.train.steps=4")
+  state_dir = tmp_path / "checkpoints" / "4" / "state"
+  for root, _, files in os.walk(state_dir):
+    for name in files:  # truncate every file of the newest checkpoint's state
+      open(os.path.join(root, name), "wb").close()
+  proc, records = _run(tmp_path, *args, "--config.train.steps=6")
+  assert f"checkpoint {tmp_path / 'checkpoints'}/4 is incomplete or corrupted" in proc.stdout
+  assert "resumed from step 2" in proc.stdout
+  assert [r["step"] for r in records if "loss" in r] == list(range(1, 7))
