@@ -38,20 +38,19 @@ import numpy as np
 
 from jaxtrain.config import ConfigError
 from jaxtrain.data.sources.common import DataError
+from jaxtrain.data.record_checks import (RECORD_SHAPES, ROLES, check_last_assistant,
+                                        check_mapping, check_messages, divergence, error, keys,
+                                        string_field, type_name)
 from jaxtrain.data.tokenizer import Tokenizer, render_chat
 
+__all__ = [
+    "KINDS", "RECORD_SHAPES", "ROLES", "TRAIN_ON", "chat_features", "lm_features",
+    "preference_features", "prompt_completion_features", "record_features", "truncate",
+]
+
 KINDS = ("text", "prompt_completion", "chat", "preference")
-ROLES = ("system", "user", "assistant")
 TRAIN_ON = ("assistant", "last_assistant", "all")
 
-RECORD_SHAPES = {
-    "text": 'a string or {"text": str}',
-    "prompt_completion": '{"prompt": str, "completion": str} with a non-empty completion',
-    "chat": ('{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]} '
-             'ending with a non-empty assistant message'),
-    "preference": ('{"prompt": str or [{"role": ..., "content": str}, ...], "chosen": str, '
-                   '"rejected": str} with non-empty chosen and rejected'),
-}
 
 # Features of one document: {"inputs", "targets", "weights"}.
 Features = dict[str, np.ndarray]
@@ -87,11 +86,11 @@ def prompt_completion_features(tokenizer: Tokenizer, record: Mapping[str, Any], 
     ConfigError: add_bos/add_eos with a tokenizer that has no BOS/EOS.
   """
   kind = "prompt_completion"
-  _check_mapping(record, kind, where)
-  prompt = _string_field(record, "prompt", kind, where)
-  completion = _string_field(record, "completion", kind, where)
+  check_mapping(record, kind, where)
+  prompt = string_field(record, "prompt", kind, where)
+  completion = string_field(record, "completion", kind, where)
   if not completion:
-    raise _error(where, kind, "'completion' is empty, so there is nothing to train on")
+    raise error(where, kind, "'completion' is empty, so there is nothing to train on")
   return _features([
       (_bos_ids(tokenizer, add_bos), False),
       (tokenizer.encode(prompt), False),
@@ -138,8 +137,8 @@ def chat_features(tokenizer: Tokenizer, record: Mapping[str, Any], *,
   """
   if train_on not in TRAIN_ON:
     raise ConfigError(f"train_on={train_on!r}: choose one of {', '.join(TRAIN_ON)}")
-  messages = _check_messages(record, "chat", where)
-  _check_last_assistant(messages, "chat", where)
+  messages = check_messages(record, "chat", where)
+  check_last_assistant(messages, "chat", where)
   return _features(_chat_pieces(tokenizer, messages, add_bos=add_bos, add_eos=add_eos,
                                 train_on=train_on, where=where))
 
@@ -165,14 +164,14 @@ def preference_features(tokenizer: Tokenizer, record: Mapping[str, Any], *,
     ConfigError: as for `chat_features`.
   """
   kind = "preference"
-  _check_mapping(record, kind, where)
+  check_mapping(record, kind, where)
   if "prompt" not in record:
-    raise _error(where, kind, f"missing key 'prompt' (keys: {_keys(record)})")
+    raise error(where, kind, f"missing key 'prompt' (keys: {keys(record)})")
   responses = {}
   for side in ("chosen", "rejected"):
-    responses[side] = _string_field(record, side, kind, where)
+    responses[side] = string_field(record, side, kind, where)
     if not responses[side]:
-      raise _error(where, kind, f"{side!r} is empty, so there is nothing to compare")
+      raise error(where, kind, f"{side!r} is empty, so there is nothing to compare")
   prompt = record["prompt"]
 
   if isinstance(prompt, str):
@@ -183,9 +182,9 @@ def preference_features(tokenizer: Tokenizer, record: Mapping[str, Any], *,
             for side, text in responses.items()}
 
   if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, Mapping)):
-    raise _error(where, kind, f"'prompt' is {_type_name(prompt)}; expected a string or a list "
+    raise error(where, kind, f"'prompt' is {type_name(prompt)}; expected a string or a list "
                  f"of messages")
-  messages = _check_messages({"messages": prompt}, kind, where, key="prompt")
+  messages = check_messages({"messages": prompt}, kind, where, key="prompt")
   specials = _unparsed_specials(tokenizer)
   prompt_text = _render(tokenizer, messages, True, where, "the prompt with the generation prompt",
                         kind)
@@ -194,9 +193,9 @@ def preference_features(tokenizer: Tokenizer, record: Mapping[str, Any], *,
     full = _render(tokenizer, [*messages, {"role": "assistant", "content": text}], False, where,
                    f"the prompt followed by the {side} response", kind)
     if not full.startswith(prompt_text):
-      raise _error(where, kind, f"the chat template of {tokenizer.name} renders the prompt with "
+      raise error(where, kind, f"the chat template of {tokenizer.name} renders the prompt with "
                    f"the generation prompt as text that is not a prefix of the prompt followed "
-                   f"by the {side} response ({_divergence(prompt_text, full)}), so the response "
+                   f"by the {side} response ({divergence(prompt_text, full)}), so the response "
                    f"tokens cannot be told apart; use a template whose add_generation_prompt "
                    f"renders the assistant header", shape=False)
     texts[side] = full[len(prompt_text):]
@@ -222,11 +221,11 @@ def record_features(tokenizer: Tokenizer, record: Any, kind: str, *,
   """
   if kind == "text":
     if isinstance(record, Mapping):
-      text = _string_field(record, "text", kind, where)
+      text = string_field(record, "text", kind, where)
     elif isinstance(record, str):
       text = record
     else:
-      raise _error(where, kind, f"the record is {_type_name(record)}")
+      raise error(where, kind, f"the record is {type_name(record)}")
     return lm_features(tokenizer.encode_document(
         text, add_bos=True if add_bos is None else add_bos,
         add_eos=True if add_eos is None else add_eos))
@@ -276,9 +275,9 @@ def _chat_pieces(tokenizer: Tokenizer, messages: list[dict[str, Any]], *, add_bo
                     for k in range(1, n + 1)]
   for k in range(1, n):
     if not renders[k + 1].startswith(renders[k]):
-      raise _error(where, "chat", f"the chat template of {tokenizer.name} is not prefix-stable: "
+      raise error(where, "chat", f"the chat template of {tokenizer.name} is not prefix-stable: "
                    f"the rendering of messages[:{k}] is not a prefix of that of messages[:{k + 1}] "
-                   f"({_divergence(renders[k], renders[k + 1])}), so per-turn loss weights cannot "
+                   f"({divergence(renders[k], renders[k + 1])}), so per-turn loss weights cannot "
                    f"be placed; use a template that renders earlier turns the same whatever "
                    f"follows (templates that drop earlier reasoning or restyle the last turn do "
                    f"not)", shape=False)
@@ -352,7 +351,7 @@ def _render(tokenizer: Tokenizer, messages, add_generation_prompt: bool, where, 
 
     if isinstance(e.__cause__, TemplateSyntaxError):
       raise  # a broken template, not a bad record
-    raise _error(where, kind, f"rendering {what} failed: {e}", shape=False) from e
+    raise error(where, kind, f"rendering {what} failed: {e}", shape=False) from e
 
 
 def _strip_bos_text(tokenizer: Tokenizer, text: str) -> tuple[str, bool]:
@@ -423,85 +422,3 @@ def _bos_ids(tokenizer: Tokenizer, add_bos: bool) -> np.ndarray:
 
 def _eos_ids(tokenizer: Tokenizer, add_eos: bool) -> np.ndarray:
   return tokenizer.encode_document("", add_bos=False, add_eos=add_eos)
-
-
-def _error(where, kind: str, problem: str, *, shape: bool = True) -> DataError:
-  """DataError "<record>: <kind> record: <problem>; expected <shape>"."""
-  if where is None:
-    name = "record"
-  elif isinstance(where, (int, np.integer)):
-    name = f"record {where}"
-  else:
-    name = str(where)
-  tail = f"; expected {RECORD_SHAPES[kind]}" if shape else ""
-  return DataError(f"{name}: {kind} record: {problem}{tail}")
-
-
-def _type_name(value) -> str:
-  # JSON's names, since records come from JSON files.
-  names = {dict: "an object", list: "an array", str: "a string", int: "a number",
-           float: "a number", bool: "a boolean", type(None): "null"}
-  return names.get(type(value), type(value).__name__)
-
-
-def _keys(record: Mapping) -> str:
-  return ", ".join(repr(k) for k in list(record)[:10]) or "none"
-
-
-def _check_mapping(record, kind: str, where) -> None:
-  if not isinstance(record, Mapping):
-    raise _error(where, kind, f"the record is {_type_name(record)}, not an object")
-
-
-def _string_field(record: Mapping, key: str, kind: str, where) -> str:
-  if key not in record:
-    raise _error(where, kind, f"missing key {key!r} (keys: {_keys(record)})")
-  value = record[key]
-  if not isinstance(value, str):
-    raise _error(where, kind, f"{key!r} is {_type_name(value)}, not a string")
-  return value
-
-
-def _check_messages(record, kind: str, where, key: str = "messages") -> list[dict[str, Any]]:
-  """The record's messages as plain dicts, after checking their shape."""
-  if kind == "chat":
-    _check_mapping(record, kind, where)
-    if "messages" not in record:
-      raise _error(where, kind, f"missing key 'messages' (keys: {_keys(record)})")
-  messages = record["messages"]
-  if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
-    raise _error(where, kind, f"{key!r} is {_type_name(messages)}, not a list of messages")
-  if not messages:
-    raise _error(where, kind, f"{key!r} is empty")
-  out = []
-  for i, m in enumerate(messages):
-    if not isinstance(m, Mapping):
-      raise _error(where, kind, f"{key}[{i}] is {_type_name(m)}, not an object")
-    for field in ("role", "content"):
-      if field not in m:
-        raise _error(where, kind, f"{key}[{i}] has no {field!r} (keys: {_keys(m)})")
-    if m["role"] not in ROLES:
-      raise _error(where, kind, f"{key}[{i}] has role {m['role']!r}; roles are "
-                   f"{', '.join(repr(r) for r in ROLES)}")
-    if not isinstance(m["content"], str):
-      raise _error(where, kind, f"{key}[{i}] content is {_type_name(m['content'])}, not a string")
-    out.append(dict(m))  # extra keys (e.g. "name") pass through to the template
-  return out
-
-
-def _check_last_assistant(messages, kind: str, where) -> None:
-  last = messages[-1]
-  if last["role"] != "assistant":
-    raise _error(where, kind, f"the last message (messages[{len(messages) - 1}]) is from "
-                 f"{last['role']!r}; training conversations must end with the assistant's reply")
-  if not last["content"]:
-    raise _error(where, kind, f"the last message (messages[{len(messages) - 1}]) is an empty "
-                 f"assistant reply, so there is nothing to train on")
-
-
-def _divergence(a: str, b: str) -> str:
-  """Where two texts first differ, shown briefly for an error message."""
-  i = 0
-  while i < min(len(a), len(b)) and a[i] == b[i]:
-    i += 1
-  return f"they differ at character {i}: {a[i:i + 30]!r} vs {b[i:i + 30]!r}"
