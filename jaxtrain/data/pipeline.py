@@ -98,7 +98,7 @@ def _load_text(config):
   """Text files, JSONL or Parquet, tokenized with data.tokenizer as documents are read."""
   _require_train_paths(config)
   d = config.data
-  tok = tokenizer_lib.load_tokenizer(d.tokenizer)
+  tok = _tokenizer(d.tokenizer)
 
   if d.format not in ("text", "prompt_completion", "chat"):
     raise ConfigError(f"data.format={d.format!r}: choose text, prompt_completion or chat "
@@ -118,8 +118,14 @@ def _load_text(config):
   return split_documents(train, float(d.eval_fraction))
 
 
+@functools.lru_cache(maxsize=8)
+def _tokenizer(spec: str):
+  # Parsed once per process: the vocab check and every split's loader share it.
+  return tokenizer_lib.load_tokenizer(spec)
+
+
 def _tokenizer_vocab(config) -> int:
-  return tokenizer_lib.load_tokenizer(config.data.tokenizer).vocab_size
+  return _tokenizer(config.data.tokenizer).vocab_size
 
 
 SOURCES = {
