@@ -146,7 +146,7 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
   state, start_step = _restore_or_init(setup, ckpt, train_iter, t.seed)
   # Taken after any restore: the iterator then continues where the checkpoint left it.
   first_batch = next(train_iter)
-  packing = float(np.mean(first_batch["loss_mask"]))
+  packing = data_lib.packing_stats([first_batch])["packing_efficiency"]
   writer = None
   if is_chief:
     print(_start_table(config, mesh, mesh_shape, setup.model_cfg, peak, peak_source, packing,
