@@ -96,6 +96,59 @@ class Checkpointer:
     self.manager.close()
 
 
+def save_params(directory: str, params: Any) -> str:
+  """Writes `params` as a weights directory (DIRECTORY/params), the params-only format that
+  `checkpoint.init_from` reads (e.g. a converted Hugging Face model). Returns the params path."""
+  path = os.path.join(os.path.abspath(directory), WEIGHTS_ITEM)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(path, params)
+    checkpointer.wait_until_finished()
+  return path
+
+
+def load_params(path: str, abstract_params: Any) -> tuple[Any, str]:
+  """(params on the abstract params' shardings, the directory they came from).
+
+  `path` is a weights directory (with params/), a run's checkpoint step directory (with
+  state/: only its params are read, never the optimizer state), a run's checkpoints directory
+  or its workdir (then the latest complete step). Shapes that differ from the model config fail
+  with the mismatched parameters named."""
+  item, subtree = _weights_item(path)
+  checkpointer = ocp.PyTreeCheckpointer()
+  saved = checkpointer.metadata(item).item_metadata.tree
+  saved = saved[subtree] if subtree else saved
+  mismatches = shape_mismatches(saved, abstract_params)
+  if mismatches:
+    raise ConfigError(f"checkpoint.init_from={path!r}: the weights in {item} do not match this "
+                      f"model config: {'; '.join(mismatches[:6])}"
+                      f"{' ...' if len(mismatches) > 6 else ''}")
+  target = {subtree: abstract_params} if subtree else abstract_params
+  restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
+      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+      partial_restore=bool(subtree)))
+  return (restored[subtree] if subtree else restored), item
+
+
+WEIGHTS_ITEM = "params"
+
+
+def _weights_item(path: str) -> tuple[str, str | None]:
+  """(Orbax item directory, key of the params subtree in it or None) for an init_from path."""
+  path = os.path.abspath(path)
+  if os.path.isdir(os.path.join(path, WEIGHTS_ITEM)):
+    return os.path.join(path, WEIGHTS_ITEM), None
+  if os.path.isdir(os.path.join(path, "state")):
+    return os.path.join(path, "state"), "params"
+  for directory in (path, os.path.join(path, "checkpoints")):
+    steps = [int(n) for n in (os.listdir(directory) if os.path.isdir(directory) else [])
+             if n.isdigit() and os.path.isdir(os.path.join(directory, n, "state"))]
+    if steps:
+      return os.path.join(directory, str(max(steps)), "state"), "params"
+  raise ConfigError(f"checkpoint.init_from={path!r}: holds neither params/ (converted weights) "
+                    f"nor a run's checkpoint (<step>/state); give a checkpoint step directory, a "
+                    f"run's workdir, or a directory written by checkpoint.save_params")
+
+
 def abstract_like(state_shapes: Any, shardings: Any) -> Any:
   """ShapeDtypeStructs carrying the target shardings: restore lands directly in them, on any
   mesh."""

@@ -74,6 +74,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.loss_chunk_size = 512
   # Steps with a NaN/Inf loss or gradient skip their update; this many in a row stop the run.
   c.train.max_consecutive_bad_steps = 10
+  # A logged loss more than this many standard deviations above its running mean is reported
+  # as a spike (console warning, `loss_spikes` in metrics.jsonl); 0 turns the check off.
+  c.train.loss_spike_sigmas = 6.0
 
   c.optim = ml_collections.ConfigDict()
   c.optim.learning_rate = 3e-4
@@ -117,6 +120,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.checkpoint.keep_every = 0  # also keep every M-th step for good (0: none)
   c.checkpoint.directory = ""  # default WORKDIR/checkpoints; any path Orbax supports (gs://...)
   c.checkpoint.async_save = True
+  # Initialize the params (only) from another run's checkpoint (a step directory, its
+  # checkpoints/ directory or its workdir: the latest step) or from converted weights (a
+  # directory with params/, e.g. from `python -m jaxtrain.interop.hf import`). The optimizer
+  # starts fresh at step 0. Ignored when --workdir already has a checkpoint to resume from.
+  c.checkpoint.init_from = ""
 
   c.log = ml_collections.ConfigDict()
   c.log.tensorboard = True
@@ -282,6 +290,13 @@ def validate(config, num_devices: int, platform: str = "cpu") -> MeshShape:
   for key in ("every_steps", "max_to_keep", "keep_every"):
     if config.checkpoint[key] < 0:
       raise ConfigError(f"checkpoint.{key}={config.checkpoint[key]}: must be >= 0")
+  init_from = config.checkpoint.init_from
+  if init_from and "://" not in init_from and not os.path.isdir(init_from):
+    raise ConfigError(f"checkpoint.init_from={init_from!r}: no such directory; give a run's "
+                      f"checkpoint step directory, its workdir, or a converted-weights directory")
+  if config.train.loss_spike_sigmas < 0:
+    raise ConfigError(f"train.loss_spike_sigmas={config.train.loss_spike_sigmas}: must be >= 0 "
+                      f"(0 turns spike detection off)")
   if config.data.num_workers < 0:
     raise ConfigError(f"data.num_workers={config.data.num_workers}: must be >= 0")
   if not 0.0 < config.data.eval_fraction < 1.0:

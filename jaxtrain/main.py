@@ -56,6 +56,7 @@ def main(argv):
   import jax  # pylint: disable=import-outside-toplevel
   from jaxtrain.config import ConfigError, validate  # pylint: disable=import-outside-toplevel
   from jaxtrain import trainer  # pylint: disable=import-outside-toplevel
+  from jaxtrain.health import TrainingHealthError  # pylint: disable=import-outside-toplevel
   from jaxtrain.data.sources import DataError  # pylint: disable=import-outside-toplevel
   workdir = _WORKDIR.value or _default_workdir()
   start = time.perf_counter()
@@ -70,7 +71,7 @@ def main(argv):
   except DataError as e:
     print(f"data error: {e}", file=sys.stderr)
     sys.exit(2)
-  except trainer.TrainingHealthError as e:
+  except TrainingHealthError as e:
     print(f"training stopped: {e}", file=sys.stderr)
     sys.exit(1)
   if result["preempted_at"] is not None:

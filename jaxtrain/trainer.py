@@ -17,13 +17,15 @@ from typing import Any, Callable, Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxtrain import data as data_lib
-from jaxtrain.checkpoint import Checkpointer, abstract_like
+from jaxtrain.checkpoint import Checkpointer, abstract_like, load_params
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import optim
 from jaxtrain.config import MeshShape
+from jaxtrain.health import LossSpikeDetector, check_bad_streak
 from jaxtrain.mesh import batch_sharding, make_mesh
 from jaxtrain.model import ModelConfig
 from jaxtrain.sharding import abstract_model, init_params_fn
@@ -39,6 +41,7 @@ class Setup:
   graphdef: Any
   shardings: TrainState
   init_fn: Callable[[jax.Array], TrainState]
+  state_from_params: Callable[[Any], TrainState]  # given params, fresh optimizer, step 0
   train_step: Callable
   eval_step: Callable
 
@@ -59,6 +62,12 @@ def build(config, mesh: Mesh) -> Setup:
                       bad_streak=jnp.zeros((), jnp.int32))
 
   init_fn = jax.jit(init, out_shardings=shardings)
+
+  def from_params(params):
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      bad_streak=jnp.zeros((), jnp.int32))
+
+  state_from_params = jax.jit(from_params, out_shardings=shardings, donate_argnums=0)
   step = make_train_step(graphdef, tx, schedule,
                          grad_accum_steps=config.train.grad_accum_steps,
                          loss_chunk_size=config.train.loss_chunk_size,
@@ -66,7 +75,8 @@ def build(config, mesh: Mesh) -> Setup:
   train_step = jit_train_step(step, shardings, mesh)
   eval_step = jit_eval_step(make_eval_step(graphdef, config.train.loss_chunk_size),
                             shardings.params, mesh)
-  return Setup(mesh, model_cfg, graphdef, shardings, init_fn, train_step, eval_step)
+  return Setup(mesh, model_cfg, graphdef, shardings, init_fn, state_from_params, train_step,
+               eval_step)
 
 
 def init_state(setup: Setup, seed: int) -> TrainState:
@@ -143,7 +153,8 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
   peak, peak_source = metrics_lib.peak_flops_for_devices(jax.devices())
   flops_per_token = metrics_lib.flops_per_token(setup.model_cfg, t.seq_len)
   ckpt = _checkpointer(config, workdir)
-  state, start_step = _restore_or_init(setup, ckpt, train_iter, t.seed)
+  state, start_step = _restore_or_init(setup, ckpt, train_iter, t.seed,
+                                       config.checkpoint.init_from)
   # Taken after any restore: the iterator then continues where the checkpoint left it.
   first_batch = next(train_iter)
   packing = data_lib.packing_stats([first_batch])["packing_efficiency"]
@@ -164,6 +175,7 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
   last: dict[str, float] = {}
   saved_step = start_step
   skipped_steps = 0  # updates skipped for non-finite values, this session
+  spikes = LossSpikeDetector(t.loss_spike_sigmas)
   stop = _StopOnSignal()
   try:
     with jax.set_mesh(mesh), stop:
@@ -183,10 +195,10 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
         if previous_streak is not None:
           streak = int(previous_streak)
           skipped_steps += streak > 0
-          _check_health(streak, step - 1, t.max_consecutive_bad_steps, ckpt)
+          check_bad_streak(streak, step - 1, t.max_consecutive_bad_steps, ckpt)
         previous_streak = step_metrics["bad_streak"]
         if pending is not None:
-          last.update(_log(writer, meter, *pending, skipped_steps=skipped_steps))
+          last.update(_log(writer, meter, spikes, *pending, skipped_steps=skipped_steps))
           pending = None
         if step % t.log_every == 0 or step == t.steps:
           pending = (step, step_metrics)
@@ -199,7 +211,7 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
           if writer:
             writer.write_eval(step, last["eval_loss"])
           meter.exclude(time.perf_counter() - eval_start)
-        if stop.requested:
+        if stop.poll(step):
           if ckpt and saved_step != step:
             ckpt.save(step, state, train_iter, _meta(config, step))
           if ckpt:
@@ -213,9 +225,9 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
       if previous_streak is not None:
         skipped_steps += int(previous_streak) > 0
       if pending is not None:
-        last.update(_log(writer, meter, *pending, skipped_steps=skipped_steps))
+        last.update(_log(writer, meter, spikes, *pending, skipped_steps=skipped_steps))
       if previous_streak is not None and "preempted_at" not in last:
-        _check_health(int(previous_streak), t.steps, t.max_consecutive_bad_steps, ckpt)
+        check_bad_streak(int(previous_streak), t.steps, t.max_consecutive_bad_steps, ckpt)
   finally:
     if writer:
       writer.close()
@@ -225,34 +237,40 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
           "preempted_at": last.get("preempted_at")}
 
 
-class TrainingHealthError(RuntimeError):
-  """Too many consecutive non-finite steps: the run stops, keeping its last checkpoint."""
-
-
-def _check_health(bad_streak: int, step: int, limit: int, ckpt: Checkpointer | None):
-  if bad_streak >= limit:
-    kept = (f"the last checkpoint (step {ckpt.latest_step()}) is kept in {ckpt.directory}"
-            if ckpt and ckpt.latest_step() is not None else "no checkpoint was saved")
-    raise TrainingHealthError(
-        f"{bad_streak} consecutive steps up to step {step} had a non-finite loss or gradient "
-        f"and were skipped (train.max_consecutive_bad_steps={limit}); {kept}. Lower "
-        f"optim.learning_rate, check the data, or use float32 compute")
-
-
 class _StopOnSignal:
   """SIGTERM/SIGINT: finish the current step, checkpoint, exit cleanly. A second signal
-  aborts at once (exit code 1)."""
+  aborts at once (exit code 1).
 
-  def __init__(self):
+  Multi-process runs must stop at the same step on every process (the final save is a
+  collective), so there the signal is left to JAX's distributed runtime: its preemption service
+  catches SIGTERM (the scheduler's preemption notice) on any process, shares it, and names a
+  common step, which `poll` checks once per step (multihost_utils.reached_preemption_sync_point).
+  """
+
+  def __init__(self, multi_process: bool | None = None):
     self.requested, self.signal_name, self._previous = False, "", {}
+    self._sync = jax.process_count() > 1 if multi_process is None else multi_process
 
   def _handle(self, signum, _frame):
     if self.requested:
       os._exit(1)  # pylint: disable=protected-access
     self.requested, self.signal_name = True, signal.Signals(signum).name
 
+  def poll(self, step: int) -> bool:
+    """Whether to stop after `step` (call once per step, on every process)."""
+    if self._sync and not self.requested:
+      try:
+        if multihost_utils.reached_preemption_sync_point(step):
+          self.requested, self.signal_name = True, "the preemption notice"
+      except RuntimeError as e:  # the preemption service is disabled
+        self._sync = False
+        if jax.process_index() == 0:
+          print(f"warning: no preemption sync point ({e}); SIGTERM will end this multi-process "
+                f"run without a final checkpoint", flush=True)
+    return self.requested
+
   def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
+    if not self._sync and threading.current_thread() is threading.main_thread():
       for sig in (signal.SIGTERM, signal.SIGINT):
         self._previous[sig] = signal.signal(sig, self._handle)
     return self
@@ -275,18 +293,24 @@ def _checkpointer(config, workdir: str) -> Checkpointer | None:
                       keep_period=c.keep_every or None, async_save=c.async_save)
 
 
-def _restore_or_init(setup: Setup, ckpt: Checkpointer | None, train_iter,
-                     seed: int) -> tuple[TrainState, int]:
+def _restore_or_init(setup: Setup, ckpt: Checkpointer | None, train_iter, seed: int,
+                     init_from: str = "") -> tuple[TrainState, int]:
   """(state, step): the latest complete checkpoint restored onto this run's shardings (the data
-  iterator too), or a fresh sharded init at step 0."""
-  if ckpt is None or ckpt.latest_step() is None:
-    return init_state(setup, seed), 0
+  iterator too); else a fresh state at step 0 whose params come from `init_from` when given,
+  from a sharded random init otherwise."""
   with jax.set_mesh(setup.mesh):
     shapes = jax.eval_shape(setup.init_fn, jax.random.key(seed))
-  state, step = ckpt.restore_latest(abstract_like(shapes, setup.shardings), train_iter)
-  if step is None:
+  if ckpt is not None and ckpt.latest_step() is not None:
+    state, step = ckpt.restore_latest(abstract_like(shapes, setup.shardings), train_iter)
+    if step is not None:
+      return state, step
+  if not init_from:
     return init_state(setup, seed), 0
-  return state, step
+  params, source = load_params(init_from, abstract_like(shapes.params, setup.shardings.params))
+  if jax.process_index() == 0:
+    print(f"initialized params from {source} (optimizer state fresh, step 0)", flush=True)
+  with jax.set_mesh(setup.mesh):
+    return setup.state_from_params(params), 0
 
 
 def _drop_metrics_after(workdir: str, step: int):
@@ -353,12 +377,16 @@ class _Throughput:
     return out
 
 
-def _log(writer, meter: _Throughput, step: int, device_metrics, *,
+def _log(writer, meter: _Throughput, spikes: LossSpikeDetector, step: int, device_metrics, *,
          skipped_steps: int = 0) -> dict[str, float]:
   m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+  spike = spikes.update(m["loss"])
+  if spike and writer:
+    print(f"warning: step {step}: {spike}", flush=True)
   record = {"loss": m["loss"], "learning_rate": m["learning_rate"],
             "grad_norm": m["grad_norm"], **meter.measure(step), "tokens": m["tokens"],
-            "skipped": m["skipped"], "skipped_steps": skipped_steps}
+            "skipped": m["skipped"], "skipped_steps": skipped_steps,
+            "loss_spikes": spikes.spikes}
   if writer:
     writer.write_train(step, record)
   return {"loss": m["loss"]}
