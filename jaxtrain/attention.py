@@ -1,5 +1,11 @@
 """Attention over packed sequences: one signature, several implementations.
 
+- `xla`: the reference, plain jnp einsums with a float32 softmax (materializes [T, S] scores).
+- `pallas`: our flash-attention kernels (kernels_pallas): Triton on GPU, splash attention on
+  TPU, the Pallas interpreter anywhere with `interpret=True` (slow: for tests on CPU).
+- `cudnn`: `jax.nn.dot_product_attention` with cuDNN's fused kernel (GPU only).
+- `auto`: cuDNN on GPU, pallas on TPU, xla on CPU.
+
 Shapes: q_BTHE, k_BSKE, v_BSKE with K kv heads dividing H query heads (grouped-query attention;
 K/V are never repeated in memory: queries are regrouped as [B, T, K, G, E]). `segment_ids_BT`
 marks packed documents (0 = padding): a token attends only to earlier tokens of its own segment.
@@ -10,19 +16,27 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("xla", "cudnn", "auto")
+from jaxtrain.mesh import logical_to_spec
+from kernels_pallas.flash_attention import flash_attention
+
+IMPLS = ("xla", "pallas", "cudnn", "auto")
+_AUTO = {"gpu": "cudnn", "tpu": "pallas"}
 
 
-def resolve_impl(impl: str, platform: str | None = None) -> str:
-  """Maps `auto` to the best implementation available on the backend."""
+def resolve_impl(impl: str, platform: str | None = None, interpret: bool = False) -> str:
+  """Maps `auto` to the best implementation available on the backend; refuses ones it lacks."""
   platform = platform or jax.default_backend()
   if impl == "auto":
-    return "cudnn" if platform == "gpu" else "xla"
+    return _AUTO.get(platform, "xla")
   if impl not in IMPLS:
     raise ValueError(f"attention impl {impl!r} is unknown; choose one of {', '.join(IMPLS)}")
   if impl == "cudnn" and platform != "gpu":
     raise ValueError(f"attention impl 'cudnn' needs a GPU backend (this is {platform!r}); use "
                      f"'xla' or 'auto'")
+  if impl == "pallas" and platform not in ("gpu", "tpu") and not interpret:
+    raise ValueError(f"attention impl 'pallas' compiles for GPU or TPU (this is {platform!r}); "
+                     f"set attention.interpret=True to run the kernels in the Pallas interpreter "
+                     f"(slow, for tests), or use 'xla'")
   return impl
 
 
@@ -63,9 +77,43 @@ def cudnn_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True,
                                       is_causal=causal, implementation="cudnn")
 
 
+def pallas_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True,
+                     sm_scale=None, interpret=False, block_q=None, block_k=None):
+  """The flash-attention kernels, run per shard under a mesh.
+
+  A pallas_call is opaque to XLA's SPMD partitioner, so under a mesh it runs inside shard_map:
+  each device attends over its own rows (batch split over the data-parallel axes) and its own
+  heads (split over `tensor`). Query heads and kv heads are split alike, so local query head j
+  still reads local kv head j // G: grouped-query attention needs no communication.
+  """
+  def local(q, k, v, seg):
+    return flash_attention(q, k, v, causal=causal, segment_ids=seg, sm_scale=sm_scale,
+                           interpret=interpret, block_q=block_q, block_k=block_k)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return local(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT)
+  q_spec = logical_to_spec(("act_batch", None, "act_heads", None))
+  kv_spec = logical_to_spec(("act_batch", None, "act_kv_heads", None))
+  if segment_ids_BT is None:
+    return jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh,
+                         in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                         check_vma=False)(q_BTHE, k_BSKE, v_BSKE)
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(q_spec, kv_spec, kv_spec, logical_to_spec(("act_batch", None))),
+                       out_specs=q_spec, check_vma=False)(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT)
+
+
 def attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, impl="xla", causal=True,
-              sm_scale=None):
-  """Causal (by default) attention within segments; returns [B, T, H, E] in q's dtype."""
-  impl = resolve_impl(impl)
+              sm_scale=None, interpret=False, block_q=None, block_k=None):
+  """Causal (by default) attention within segments; returns [B, T, H, E] in q's dtype.
+
+  `interpret`, `block_q` and `block_k` apply to `pallas` only.
+  """
+  impl = resolve_impl(impl, interpret=interpret)
+  if impl == "pallas":
+    return pallas_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, causal=causal,
+                            sm_scale=sm_scale, interpret=interpret, block_q=block_q,
+                            block_k=block_k)
   fn = {"xla": xla_attention, "cudnn": cudnn_attention}[impl]
   return fn(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, causal=causal, sm_scale=sm_scale)

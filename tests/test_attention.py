@@ -148,7 +148,7 @@ def test_resolve_impl_auto():
   assert jax.default_backend() == "cpu"
   assert attention_lib.resolve_impl("auto") == "xla"
   assert attention_lib.resolve_impl("auto", platform="cpu") == "xla"
-  assert attention_lib.resolve_impl("auto", platform="tpu") == "xla"
+  assert attention_lib.resolve_impl("auto", platform="tpu") == "pallas"
   assert attention_lib.resolve_impl("auto", platform="gpu") == "cudnn"
   assert attention_lib.resolve_impl("xla") == "xla"
   assert attention_lib.resolve_impl("cudnn", platform="gpu") == "cudnn"

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Every GPU check in one script, under 8 minutes on one H100 / H200:
+#   1. the Pallas flash-attention kernels compiled for the GPU against the float32 reference
+#      (output and dq/dk/dv, bf16 inputs), and the compiled kernel tests;
+#   2. benchmarks/attention.py: pallas vs cudnn vs xla forward+backward at T = 2048/4096/8192;
+#   3. a short bf16 training run of Llama 3.2 1B with each GPU attention implementation,
+#      reporting tokens/s and MFU from metrics.jsonl.
+# Needs a Python with jaxtrain[cuda12] installed (PYTHON, default .venv/bin/python).
+# Usage: benchmarks/gpu_check.sh [OUTPUT_DIR]   (logs and run directories go there)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+OUT_DIR=${1:-${OUT:-runs/gpu_check}}
+mkdir -p "$OUT_DIR"
+
+"$PY" - <<'PY'
+import jax, sys
+if jax.default_backend() != "gpu":
+  sys.exit(f"gpu_check.sh needs a GPU backend; JAX sees {jax.default_backend()!r}. "
+           "Install with: pip install -e '.[cuda12]'")
+print("devices:", [d.device_kind for d in jax.devices()])
+PY
+
+echo "== 1/3 kernel parity on the GPU"
+timeout 150 "$PY" benchmarks/attention.py --check 2>&1 | tee "$OUT_DIR/parity.log"
+JAX_PLATFORMS=cuda JAXTRAIN_PALLAS_COMPILED=1 timeout 150 "$PY" -m pytest -q -x tests/test_flash_attention.py \
+  2>&1 | tail -5 | tee -a "$OUT_DIR/parity.log"
+
+echo "== 2/3 attention benchmark (bf16, causal, E=128)"
+timeout 150 "$PY" benchmarks/attention.py --iters 10 2>&1 | tee "$OUT_DIR/attention.log"
+
+echo "== 3/3 Llama 3.2 1B, bf16, 20 steps per attention implementation"
+for impl in pallas cudnn; do
+  timeout 120 "$PY" -m jaxtrain.main --config=configs/llama3_1b.py \
+    --workdir="$OUT_DIR/llama3_1b_$impl" --config.attention.impl=$impl \
+    --config.train.steps=20 --config.train.global_batch_size=8 --config.train.seq_len=2048 \
+    --config.train.log_every=5 --config.train.eval_every=1000 --config.log.tensorboard=False \
+    2>&1 | tail -4 | tee "$OUT_DIR/train_$impl.log"
+  "$PY" - "$OUT_DIR/llama3_1b_$impl/metrics.jsonl" "$impl" <<'PY'
+import json, sys
+records = [json.loads(l) for l in open(sys.argv[1]) if '"mfu"' in l]
+last = [r for r in records if r.get("mfu")][-2:]  # the first interval includes warm-up
+print(f"train_1b: impl={sys.argv[2]} tokens_per_sec={sum(r['tokens_per_sec'] for r in last) / len(last):.0f} "
+      f"mfu={sum(r['mfu'] for r in last) / len(last):.3f}")
+PY
+done
