@@ -1,0 +1,485 @@
+"""Hugging Face Llama import/export: `load_model`, `save_model`, and the CLI around them.
+
+    model, config = load_model("Llama-3.2-1B/")        # config.json + *.safetensors
+    logits_BTV = model(input_ids_BT)                     # float32 [B, T, V]
+    save_model(model, config, "exported/")               # loads with LlamaForCausalLM
+
+    python -m jaxtrain.interop.hf import --hf_dir=DIR --out=WEIGHTS_DIR [--dtype=bfloat16]
+    python -m jaxtrain.interop.hf export --checkpoint=RUN_OR_WEIGHTS_DIR [--config=CONFIG.py]
+        --out=HF_DIR
+
+Import goes straight into the sharded model: the abstract model gives every parameter's shape
+and sharding, and each device's shard is read from the safetensors on its own (only the rows
+and columns it covers, layer by layer), sent to its device and dropped before the next is read,
+so host memory holds one shard at a time, never a whole checkpoint. Export gathers one tensor
+of one layer at a time and streams it into the file. The name and layout table is in
+hf_weights.py, the config.json mapping in hf_config.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxtrain.config import ConfigError, load_config_file
+from jaxtrain.interop import hf_config, hf_weights
+from jaxtrain.interop.hf_config import HFFormatError
+from jaxtrain.mesh import make_mesh
+from jaxtrain.model import Llama, ModelConfig
+from jaxtrain.sharding import abstract_model
+
+DEFAULT_MAX_FILE_BYTES = 5 * 10**9  # what transformers' save_pretrained uses (5GB)
+# Tokenizer files that travel with the weights (all optional beside tokenizer.json).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+
+
+def default_mesh() -> Mesh:
+  """One device: what `load_model` uses when no mesh is given."""
+  return make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+
+def _key_path(path) -> tuple:
+  """Tree path of a parameter leaf as plain keys, without the Variable's trailing `.value`."""
+  return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path
+               if not isinstance(k, jax.tree_util.GetAttrKey))
+
+
+def _rule_table(cfg: ModelConfig) -> dict[tuple, hf_weights.TensorRule]:
+  return {r.ours: r for r in hf_weights.rules_for(cfg)}
+
+
+def _locate(cfg: ModelConfig, keys: tuple) -> tuple[hf_weights.TensorRule, int | None, bool]:
+  """(rule, layer index or None, stacked) for a parameter path of our model."""
+  table = _rule_table(cfg)
+  if keys[0] != "layers":
+    return table[keys], None, False
+  if cfg.scan_layers:
+    return table[keys[1:]], None, True
+  return table[keys[2:]], int(keys[1]), False
+
+
+def _place(shape, sharding, dtype, read) -> jax.Array:
+  """A jax.Array from `read(index)` -> the host block of one shard.
+
+  The same contract as jax.make_array_from_callback, with bounded host memory: that function
+  reads every local shard of a parameter before transferring any (all of a stacked parameter
+  on one host: 75 GB for a 70B model's float32 gate projections) and reads a partly replicated
+  block once per device that holds it. Here each distinct block is read once, sent to its device
+  and released before the next is read; devices holding the same block copy it on device.
+  """
+  placed, shards = {}, []
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    key = tuple((s.start, s.stop, s.step) for s in index)
+    if key in placed:
+      shards.append(jax.device_put(placed[key], device))
+      continue
+    block = np.asarray(read(index), dtype=dtype)
+    assert block.shape == sharding.shard_shape(shape), (block.shape, index)
+    placed[key] = jax.device_put(block, device).block_until_ready()
+    shards.append(placed[key])
+  return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def _fill_params(abstract_params, cfg: ModelConfig, reader: hf_weights.SafetensorsReader,
+                 prefix: str):
+  """Real arrays for the abstract params, every shard read from the safetensors on its own."""
+  sizes = hf_weights.sizes_of(cfg)
+
+  def make(path, leaf):
+    rule, layer, stacked = _locate(cfg, _key_path(path))
+
+    def tensor(i):
+      name = rule.hf_name.format(i=i) if rule.per_layer else rule.hf_name
+      return reader.get_slice(name.removeprefix("model.") if prefix == "" else name)
+
+    def slices(index, shape):
+      out = {}
+      for letter, s, n in zip(rule.our_layout, index, shape):
+        start, stop, step = s.indices(n)
+        assert step == 1, f"{rule.hf_name}: strided shard index {s}"
+        out[letter] = slice(start, stop)
+      return out
+
+    def read(index):
+      if stacked:  # leading layers axis: one HF tensor per layer, each cut the same way
+        start, stop, _ = index[0].indices(cfg.num_layers)
+        cuts = slices(index[1:], leaf.shape[1:])
+        # Filled in place: the shard plus one layer's block, never a list of blocks to stack.
+        block = np.empty(leaf.sharding.shard_shape(leaf.shape), dtype)
+        for j, i in enumerate(range(start, stop)):
+          block[j] = hf_weights.read_block(tensor(i), rule, sizes, cuts)
+        return block
+      return hf_weights.read_block(tensor(layer), rule, sizes, slices(index, leaf.shape))
+
+    dtype = np.dtype(leaf.dtype)
+    return _place(leaf.shape, leaf.sharding, dtype, read)
+
+  return jax.tree.map_with_path(make, abstract_params)
+
+
+def _check_divisible(abstract_params, mesh: Mesh) -> None:
+  """A clear error for a mesh that cannot split a parameter evenly (JAX's names no config key)."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params):
+    for dim, (size, axes) in enumerate(zip(leaf.shape, leaf.sharding.spec)):
+      axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+      parts = int(np.prod([mesh.shape[a] for a in axes]))
+      if size % parts:
+        name = "/".join(str(k) for k in _key_path(path))
+        raise HFFormatError(f"mesh {dict(mesh.shape)}: {'*'.join(axes)}={parts} does not divide "
+                            f"dim {dim} (size {size}) of {name}; choose mesh axis sizes that "
+                            f"divide the model's dims")
+
+
+def load_model(path: str, *, mesh: Mesh | None = None,
+               dtype: str | None = None) -> tuple[Llama, ml_collections.ConfigDict]:
+  """(model, config) from a Hugging Face Llama directory.
+
+  Args:
+    path: directory with config.json and model.safetensors (or model-*-of-*.safetensors with
+      model.safetensors.index.json); a tokenizer.json beside them becomes `data.tokenizer`.
+    mesh: a (data, fsdp, tensor) mesh to shard the parameters over (default: one device).
+    dtype: parameter dtype, "float32" (the default: master weights for training) or
+      "bfloat16"/"float16"; the checkpoint's own dtype is converted on the fly.
+
+  Returns:
+    The sharded model, whose call returns float32 logits [B, T, V], and the full jaxtrain
+    config (default_config() with model.* from config.json) to train it with.
+
+  Raises:
+    HFFormatError (a ConfigError): missing or pickle weights, unsupported config fields,
+      tensors missing or of the wrong shape; the message names the field or tensor.
+  """
+  path = os.path.abspath(path)
+  config = hf_config.to_jaxtrain_config(hf_config.read_hf_config(path), path,
+                                        dtype or "float32")
+  return load_weights(path, config, mesh=mesh), config
+
+
+def load_weights(path: str, config, *, mesh: Mesh | None = None) -> Llama:
+  """The model `config` describes, with its weights from a Hugging Face directory.
+
+  For a config that differs from `load_model`'s only in how the model runs (scan_layers,
+  remat_policy, dtypes, attention.impl): every tensor's name and shape is checked against it.
+  """
+  cfg = ModelConfig.from_config(config)
+  mesh = default_mesh() if mesh is None else mesh
+  graphdef, abstract_params, _ = abstract_model(cfg, mesh)
+  _check_divisible(abstract_params, mesh)
+  with hf_weights.SafetensorsReader(os.path.abspath(path)) as reader:
+    prefix = hf_weights.check_tensors(reader, cfg)
+    params = _fill_params(abstract_params, cfg, reader, prefix)
+  return nnx.merge(graphdef, params)
+
+
+@jax.jit
+def _take_layer(x, i):
+  # The layer index is traced, so one compilation serves every layer of a stacked tensor.
+  return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+  """The whole array on this host; a collective across processes when it spans several."""
+  if x.is_fully_addressable:
+    return np.asarray(jax.device_get(x))
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _pending_tensors(params: dict, cfg: ModelConfig, dtype: str) -> list[hf_weights.PendingTensor]:
+  """Every Hugging Face tensor in transformers' order, each produced only when written."""
+  sizes = hf_weights.sizes_of(cfg)
+  top = {r.hf_name: r for r in hf_weights.rules_for(cfg) if not r.per_layer}
+  layer_rules = [r for r in hf_weights.rules_for(cfg) if r.per_layer]
+
+  def lookup(keys):
+    node = params
+    for k in keys:
+      node = node[k]
+    return node
+
+  def pending(rule, layer=None):
+    def produce():
+      if layer is None:
+        x = _to_host(lookup(rule.ours))
+      elif cfg.scan_layers:
+        x = _to_host(_take_layer(lookup(("layers",) + rule.ours), layer))
+      else:
+        x = _to_host(lookup(("layers", layer) + rule.ours))
+      return hf_weights.to_hf_layout(x, rule, sizes)
+    name = rule.hf_name.format(i=layer) if rule.per_layer else rule.hf_name
+    return hf_weights.PendingTensor(name, hf_weights.hf_shape(rule, sizes), dtype, produce)
+
+  out = [pending(top["model.embed_tokens.weight"])]
+  out += [pending(r, i) for i in range(cfg.num_layers) for r in layer_rules]
+  out.append(pending(top["model.norm.weight"]))
+  if "lm_head.weight" in top:
+    out.append(pending(top["lm_head.weight"]))
+  return out
+
+
+def _tokenizer_files(config) -> tuple[list[str], Any]:
+  """(files to ship with the weights, the loaded tokenizer) for config.data.tokenizer."""
+  from jaxtrain.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+
+  spec = str(config.data.tokenizer or "byte")
+  tok = load_tokenizer(spec)
+  path = getattr(tok, "path", None)
+  if path is None:
+    return [], tok
+  if path.endswith(".model"):  # SentencePiece: transformers' Llama tokenizer reads this name
+    return [path], tok
+  directory = os.path.dirname(path)
+  extras = [os.path.join(directory, n) for n in TOKENIZER_FILES[1:]
+            if os.path.isfile(os.path.join(directory, n))]
+  return [path] + extras, tok
+
+
+def _existing_weights(path: str, overwrite: bool) -> list[str]:
+  """Weights and config.json already in `path`; an error unless they may be replaced."""
+  existing = sorted(n for n in (os.listdir(path) if os.path.isdir(path) else [])
+                    if n.endswith(".safetensors") or n in ("config.json", hf_weights.INDEX_FILE))
+  if existing and not overwrite:
+    raise HFFormatError(f"{path}: already holds {', '.join(existing[:3])}; choose an empty "
+                        f"directory, or replace them with --overwrite (overwrite=True)")
+  return existing
+
+
+def _prepare_dir(path: str, overwrite: bool) -> None:
+  existing = _existing_weights(path, overwrite)
+  os.makedirs(path, exist_ok=True)
+  for name in existing:  # stale shards of another model must not stay behind an index
+    os.remove(os.path.join(path, name))
+
+
+def save_model(model: Llama, config, path: str, *, dtype: str | None = None,
+               max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+               rope_spelling: str = "rope_parameters", overwrite: bool = False) -> list[str]:
+  """Writes a transformers-loadable LlamaForCausalLM directory; returns the files written.
+
+  Args:
+    model: a (sharded) jaxtrain Llama; gathered one tensor of one layer at a time.
+    config: its jaxtrain config (model.* describe it; data.tokenizer, when it names a
+      tokenizer file, is copied beside the weights, with tokenizer_config.json and friends).
+    path: output directory; refused when it already holds weights, unless `overwrite`.
+    dtype: dtype of the written tensors (default: the parameters' dtype).
+    max_file_bytes: above this the weights are split into model-0000i-of-0000N.safetensors
+      files with model.safetensors.index.json, as transformers does.
+    rope_spelling: "rope_parameters" (transformers >= 5) or "rope_scaling" (rope_theta and
+      rope_scaling at the top level, for readers older than transformers 5).
+  """
+  cfg = ModelConfig.from_config(config)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  _, abstract_params, _ = abstract_model(cfg, default_mesh())
+  want = {_key_path(p): a.shape for p, a in jax.tree_util.tree_leaves_with_path(abstract_params)}
+  got = {_key_path(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(params)}
+  if want != got:
+    diff = sorted(set(want.items()) ^ set(got.items()), key=str)[:3]
+    raise HFFormatError(f"save_model: the model's parameters do not match config.model "
+                        f"(e.g. {diff}); pass the config the model was built with")
+  dtype = dtype or str(np.dtype(params["embed_VD"].dtype))
+  tok_files, tok = _tokenizer_files(config)
+  # Ids the model cannot embed (the byte tokenizer's 256/257 beside a small vocab) are left out.
+  bos, eos = (i if i is not None and i < cfg.vocab_size else None for i in (tok.bos_id, tok.eos_id))
+  hf = hf_config.from_jaxtrain_config(config, dtype=dtype, bos_id=bos, eos_id=eos,
+                                      rope_spelling=rope_spelling)
+  writer = jax.process_index() == 0
+  if writer:
+    _prepare_dir(path, overwrite)
+  files = hf_weights.plan_files(_pending_tensors(params, cfg, dtype), max_file_bytes)
+  names = hf_weights.file_names(len(files))
+  for group, name in zip(files, names):
+    hf_weights.write_safetensors(os.path.join(path, name), group, write=writer)
+  written = list(names)
+  if writer:
+    if len(files) > 1:
+      hf_weights.write_index(path, files, names)
+      written.append(hf_weights.INDEX_FILE)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+      json.dump(hf, f, indent=2)
+    written.append("config.json")
+    for src in tok_files:
+      name = "tokenizer.model" if src.endswith(".model") else os.path.basename(src)
+      shutil.copyfile(src, os.path.join(path, name))
+      written.append(name)
+  return written
+
+
+# --- CLI ---------------------------------------------------------------------------------------
+
+
+def _host_mesh(cfg: ModelConfig) -> Mesh:
+  """All local devices along fsdp when the model dim splits evenly over them, else one."""
+  n = jax.local_device_count()
+  if n > 1 and cfg.d_model % n == 0:
+    return make_mesh(1, n, 1, devices=jax.local_devices())
+  return default_mesh()
+
+
+def _config_py(overrides: dict[str, Any], source: str, stored_dtype: str) -> str:
+  lines = [f"  c.{k} = {v!r}" for k, v in overrides.items()
+           if k not in ("data.tokenizer", "model.param_dtype")]
+  if "data.tokenizer" in overrides:
+    lines.append('  c.data.tokenizer = "hf:" + os.path.join(HERE, "tokenizer.json")')
+  body = "\n".join(lines)
+  return f'''"""jaxtrain config for the Llama weights in this directory.
+
+Written by `python -m jaxtrain.interop.hf import` from
+  {source}
+The weights are stored as {stored_dtype}; they are cast to model.param_dtype (float32 master
+weights) when a run starts. Train from them with (add your data.* keys):
+
+  python -m jaxtrain.main --config={{this file}} --workdir=runs/finetune
+"""
+
+import os
+
+from jaxtrain.config import default_config
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def get_config():
+  c = default_config()
+{body}
+  c.checkpoint.init_from = HERE
+  return c
+'''
+
+
+def import_command(hf_dir: str, out: str, dtype: str = "float32") -> str:
+  """Converts a Hugging Face directory into a weights directory for checkpoint.init_from:
+  OUT/params (Orbax), OUT/config.py (ready-to-train config), OUT/jaxtrain_config.json (the
+  values), and the tokenizer files. Returns the training command line."""
+  # Orbax and grain load only for the CLI; load_model/save_model do not need them.
+  from jaxtrain import checkpoint  # pylint: disable=import-outside-toplevel
+
+  hf_dir, out = os.path.abspath(hf_dir), os.path.abspath(out)
+  if os.path.exists(os.path.join(out, checkpoint.WEIGHTS_ITEM)):
+    raise HFFormatError(f"--out={out}: already holds {checkpoint.WEIGHTS_ITEM}/; choose an "
+                        f"empty directory")
+  hf = hf_config.read_hf_config(hf_dir)
+  overrides = hf_config.overrides_for(hf, hf_dir, dtype)
+  cfg = ModelConfig.from_config(hf_config.to_jaxtrain_config(hf, hf_dir, dtype))
+  model, _ = load_model(hf_dir, mesh=_host_mesh(cfg), dtype=dtype)
+  os.makedirs(out, exist_ok=True)
+  checkpoint.save_params(out, nnx.state(model, nnx.Param))
+  for name in TOKENIZER_FILES:
+    if os.path.isfile(os.path.join(hf_dir, name)):
+      shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out, name))
+  if "data.tokenizer" in overrides:
+    overrides["data.tokenizer"] = "hf:" + os.path.join(out, "tokenizer.json")
+  overrides["model.param_dtype"] = "float32"  # master weights; the stored dtype is cast on load
+  with open(os.path.join(out, "jaxtrain_config.json"), "w", encoding="utf-8") as f:
+    json.dump({"source": hf_dir, "stored_dtype": dtype,
+               "overrides": {**overrides, "checkpoint.init_from": out}}, f, indent=2)
+  with open(os.path.join(out, "config.py"), "w", encoding="utf-8") as f:
+    f.write(_config_py(overrides, hf_dir, dtype))
+  flags = " ".join(f"--config.{k}={v}" for k, v in overrides.items())
+  return (f"python -m jaxtrain.main --config={os.path.join(out, 'config.py')} "
+          f"--workdir=runs/finetune\n# or, from another config file, the same values:\n"
+          f"#   {flags} --config.checkpoint.init_from={out}")
+
+
+def export_command(checkpoint: str, config_path: str | None, out: str, dtype: str | None = None,
+                   max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                   rope_spelling: str = "rope_parameters", overwrite: bool = False) -> list[str]:
+  """Exports a run's checkpoint or a weights directory as a Hugging Face directory."""
+  from jaxtrain.checkpoint import load_params  # pylint: disable=import-outside-toplevel
+
+  if config_path is None:
+    config_path = os.path.join(checkpoint, "config.py")
+    if not os.path.isfile(config_path):
+      raise HFFormatError(f"--config: required, since {checkpoint} has no config.py; give the "
+                          f"config file the run was trained with")
+  if not os.path.isfile(config_path):
+    raise HFFormatError(f"--config={config_path}: no such file")
+  _existing_weights(out, overwrite)  # before minutes of loading, not after
+  config = load_config_file(config_path)
+  cfg = ModelConfig.from_config(config)
+  graphdef, abstract_params, _ = abstract_model(cfg, _host_mesh(cfg))
+  params, _ = load_params(checkpoint, abstract_params)
+  return save_model(nnx.merge(graphdef, params), config, out, dtype=dtype,
+                    max_file_bytes=max_file_bytes, rope_spelling=rope_spelling,
+                    overwrite=overwrite)
+
+
+def parse_size(text: str) -> int:
+  """"5GB", "500MB", "2e9" -> bytes (decimal units, as transformers' max_shard_size)."""
+  units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+  t = text.strip().upper()
+  for suffix, scale in units.items():
+    if t.endswith(suffix):
+      return int(float(t[:-len(suffix)]) * scale)
+  return int(float(t))
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse that reports a bad command line as one line and exit code 2."""
+
+  def error(self, message):
+    print(f"error: {message} (see --help)", file=sys.stderr)
+    sys.exit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = _Parser(prog="python -m jaxtrain.interop.hf",
+              description="Hugging Face Llama <-> jaxtrain weights.")
+  sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+  imp = sub.add_parser("import", help="HF directory -> weights directory for "
+                       "--config.checkpoint.init_from")
+  imp.add_argument("--hf_dir", required=True, help="directory with config.json + *.safetensors")
+  imp.add_argument("--out", required=True, help="weights directory to create")
+  imp.add_argument("--dtype", default="float32", choices=hf_config.DTYPES,
+                   help="dtype the weights are stored in (default float32)")
+  exp = sub.add_parser("export", help="run checkpoint or weights directory -> HF directory")
+  exp.add_argument("--checkpoint", required=True,
+                   help="weights directory, run workdir, or checkpoint step directory")
+  exp.add_argument("--config", default=None,
+                   help="config file of the model (default: CHECKPOINT/config.py)")
+  exp.add_argument("--out", required=True, help="Hugging Face directory to create")
+  exp.add_argument("--dtype", default=None, choices=hf_config.DTYPES,
+                   help="dtype of the written tensors (default: the parameters' dtype)")
+  exp.add_argument("--max_shard_size", default="5GB",
+                   help="split the safetensors into files of at most this size (default 5GB)")
+  exp.add_argument("--rope_spelling", default="rope_parameters",
+                   choices=hf_config.ROPE_SPELLINGS,
+                   help="rope_parameters (transformers >= 5) or rope_scaling (older readers)")
+  exp.add_argument("--overwrite", action="store_true",
+                   help="replace weights and config.json already in --out")
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  try:
+    if args.command == "import":
+      command = import_command(args.hf_dir, args.out, args.dtype)
+      print(f"wrote {os.path.abspath(args.out)}; train from it with:\n{command}")
+    else:
+      try:
+        max_bytes = parse_size(args.max_shard_size)
+      except ValueError:
+        raise HFFormatError(f"--max_shard_size={args.max_shard_size!r}: expected a size such "
+                            f"as 5GB or 500MB") from None
+      files = export_command(args.checkpoint, args.config, args.out, args.dtype, max_bytes,
+                             args.rope_spelling, args.overwrite)
+      print(f"wrote {os.path.abspath(args.out)}: {', '.join(files)}")
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

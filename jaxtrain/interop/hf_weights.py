@@ -1,0 +1,313 @@
+"""Hugging Face Llama tensors <-> jaxtrain parameters: the name/layout table, slice-wise reading
+of safetensors, and a streaming safetensors writer.
+
+Layouts are written in the shape-letter legend (V vocab, D model, H query heads, K kv heads,
+E head dim, F mlp). A Hugging Face layout lists the tensor's dims separated by commas, each a run
+of letters merged row-major: q_proj.weight is "HE,D", i.e. [H*E, D] with row h*E + e. Our layout
+is the letters of our parameter's dims in order ("DHE" for wq_DHE). Converting is a reshape and a
+transpose and nothing else: our rotary embedding rotates pairs (i, i + E/2) exactly as
+transformers' `rotate_half` does, so q/k rows need no permutation (the parity tests check it).
+
+Import never holds a whole tensor it does not need: `read_block` reads only the rows and columns
+one device's shard covers, through safetensors' lazy `get_slice`, one layer at a time. Export
+writes each file's header first (every shape is known up front) and then streams tensors into it
+one at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import json
+import math
+import os
+import struct
+from typing import Callable, Iterable
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtrain.interop.hf_config import HFFormatError
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRule:
+  """One Hugging Face tensor and the parameter it becomes."""
+  hf_name: str  # "{i}" stands for the layer index
+  ours: tuple[str, ...]  # parameter path (inside a block for per-layer tensors)
+  hf_layout: str  # e.g. "HE,D"
+  our_layout: str  # e.g. "DHE"
+
+  @property
+  def per_layer(self) -> bool:
+    return "{i}" in self.hf_name
+
+
+# The whole mapping. Linear weights are [out, in] in transformers, [in, out] here.
+TOP_RULES = (
+    TensorRule("model.embed_tokens.weight", ("embed_VD",), "V,D", "VD"),
+    TensorRule("model.norm.weight", ("final_norm", "scale"), "D", "D"),
+    TensorRule("lm_head.weight", ("head_DV",), "V,D", "DV"),  # absent when tied
+)
+LAYER_RULES = (
+    TensorRule("model.layers.{i}.self_attn.q_proj.weight", ("attn", "wq_DHE"), "HE,D", "DHE"),
+    TensorRule("model.layers.{i}.self_attn.k_proj.weight", ("attn", "wk_DKE"), "KE,D", "DKE"),
+    TensorRule("model.layers.{i}.self_attn.v_proj.weight", ("attn", "wv_DKE"), "KE,D", "DKE"),
+    TensorRule("model.layers.{i}.self_attn.o_proj.weight", ("attn", "wo_HED"), "D,HE", "HED"),
+    TensorRule("model.layers.{i}.mlp.gate_proj.weight", ("mlp", "w_gate_DF"), "F,D", "DF"),
+    TensorRule("model.layers.{i}.mlp.up_proj.weight", ("mlp", "w_up_DF"), "F,D", "DF"),
+    TensorRule("model.layers.{i}.mlp.down_proj.weight", ("mlp", "w_down_FD"), "D,F", "FD"),
+    TensorRule("model.layers.{i}.input_layernorm.weight", ("attn_norm", "scale"), "D", "D"),
+    TensorRule("model.layers.{i}.post_attention_layernorm.weight", ("mlp_norm", "scale"), "D",
+               "D"),
+)
+# Buffers some older exports carry; recomputed from the config, never read.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def sizes_of(cfg) -> dict[str, int]:
+  """Shape-letter sizes of a ModelConfig."""
+  return {"V": cfg.vocab_size, "D": cfg.d_model, "H": cfg.num_heads, "K": cfg.num_kv_heads,
+          "E": cfg.head_dim, "F": cfg.mlp_dim}
+
+
+def hf_shape(rule: TensorRule, sizes: dict[str, int]) -> tuple[int, ...]:
+  return tuple(math.prod(sizes[c] for c in group) for group in rule.hf_layout.split(","))
+
+
+def our_shape(rule: TensorRule, sizes: dict[str, int]) -> tuple[int, ...]:
+  return tuple(sizes[c] for c in rule.our_layout)
+
+
+def layer_names(rule: TensorRule, num_layers: int) -> list[str]:
+  return [rule.hf_name.format(i=i) for i in range(num_layers)] if rule.per_layer \
+      else [rule.hf_name]
+
+
+def rules_for(cfg) -> tuple[TensorRule, ...]:
+  top = tuple(r for r in TOP_RULES if not (cfg.tie_embeddings and r.ours == ("head_DV",)))
+  return top + LAYER_RULES
+
+
+def read_block(tensor_slice, rule: TensorRule, sizes: dict[str, int],
+               our_slices: dict[str, slice]) -> np.ndarray:
+  """The block of our parameter selected by `our_slices` (letter -> slice with step 1), in our
+  layout, read from a lazy Hugging Face tensor (`safe_open(...).get_slice(name)`).
+
+  For a merged HF dim such as "HE", the outer letter's range selects a contiguous run of rows
+  (whole inner extents); the inner letters are then cut in memory. Head dim, the only inner
+  letter, is never sharded, so in practice exactly the needed rows are read.
+  """
+  groups = rule.hf_layout.split(",")
+  read, inner_cuts = [], []
+  for group in groups:
+    outer = our_slices[group[0]]
+    inner = math.prod(sizes[c] for c in group[1:])
+    read.append(slice(outer.start * inner, outer.stop * inner))
+    inner_cuts += [slice(None)] + [our_slices[c] for c in group[1:]]
+  block = np.asarray(tensor_slice[tuple(read)])
+  split = [our_slices[group[0]].stop - our_slices[group[0]].start if j == 0 else sizes[c]
+           for group in groups for j, c in enumerate(group)]
+  block = block.reshape(split)[tuple(inner_cuts)]
+  letters = "".join(groups)
+  return block.transpose([letters.index(c) for c in rule.our_layout])
+
+
+def to_hf_layout(x: np.ndarray, rule: TensorRule, sizes: dict[str, int]) -> np.ndarray:
+  """Our whole (per-layer) parameter in the Hugging Face tensor's layout."""
+  letters = rule.hf_layout.replace(",", "")
+  return x.transpose([rule.our_layout.index(c) for c in letters]).reshape(hf_shape(rule, sizes))
+
+
+class SafetensorsReader(contextlib.AbstractContextManager):
+  """Lazy access to a Hugging Face directory's safetensors, single-file or sharded with an index.
+
+  Files are opened (memory-mapped) once and kept open; nothing is read until a slice is asked for.
+  Pickle weights (`.bin`, `.pt`, ...) are refused: unpickling can run arbitrary code.
+  """
+
+  def __init__(self, directory: str):
+    from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+
+    self.directory = directory
+    index_path = os.path.join(directory, INDEX_FILE)
+    single = os.path.join(directory, SINGLE_FILE)
+    if os.path.isfile(index_path):
+      try:
+        with open(index_path, encoding="utf-8") as f:
+          weight_map = json.load(f)["weight_map"]
+      except (OSError, ValueError, KeyError, TypeError) as e:
+        raise HFFormatError(f"{index_path}: cannot read its weight_map "
+                            f"({type(e).__name__}: {e})") from e
+    elif os.path.isfile(single):
+      weight_map = None
+    else:
+      others = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+      if len(others) == 1:
+        single, weight_map = others[0], None
+      else:
+        pickles = sorted(os.path.basename(p) for pat in PICKLE_PATTERNS
+                         for p in glob.glob(os.path.join(directory, pat)))
+        if pickles:
+          raise HFFormatError(f"{directory}: weights are pickle files ({', '.join(pickles[:3])}); "
+                              f"convert to safetensors first; pickle files can run code, so "
+                              f"jaxtrain does not load them")
+        what = (f"{len(others)} .safetensors files but no {INDEX_FILE}" if others
+                else "no model.safetensors")
+        raise HFFormatError(f"{directory}: {what}; expected {SINGLE_FILE} or sharded "
+                            f"model-*-of-*.safetensors with {INDEX_FILE}")
+    self._stack = contextlib.ExitStack()
+    self._files = {}
+
+    def open_file(path):
+      try:
+        return self._stack.enter_context(safe_open(path, framework="numpy"))
+      except Exception as e:  # safetensors raises its own error types for a bad header
+        self._stack.close()
+        raise HFFormatError(f"{path}: not a readable safetensors file "
+                            f"({type(e).__name__}: {e})") from e
+
+    if weight_map is None:
+      handle = self._files[single] = open_file(single)
+      self._where = {name: single for name in handle.keys()}
+    else:
+      self._where = {}
+      for name, file in weight_map.items():
+        path = os.path.join(directory, file)
+        if path not in self._files:
+          if not os.path.isfile(path):
+            self._stack.close()
+            raise HFFormatError(f"{index_path}: names {file} for {name}, which is missing")
+          self._files[path] = open_file(path)
+        self._where[name] = path
+
+  def __exit__(self, *exc):
+    self._stack.close()
+
+  def names(self) -> list[str]:
+    return list(self._where)
+
+  def get_slice(self, name: str):
+    return self._files[self._where[name]].get_slice(name)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self.get_slice(name).get_shape())
+
+
+def check_tensors(reader: SafetensorsReader, cfg) -> str:
+  """Checks names and shapes against the model before anything is read; returns the name prefix
+  ("" for a bare LlamaModel export whose names lack "model.")."""
+  names = set(reader.names())
+  prefix = "" if "embed_tokens.weight" in names and "model.embed_tokens.weight" not in names \
+      else None
+  sizes = sizes_of(cfg)
+  expected = {}
+  for rule in rules_for(cfg):
+    for name in layer_names(rule, cfg.num_layers):
+      if prefix == "":
+        name = name.removeprefix("model.")
+      expected[name] = hf_shape(rule, sizes)
+  missing = sorted(set(expected) - names)
+  if missing:
+    hint = (" (config.json says tie_word_embeddings=false; the file has no output head)"
+            if missing == ["lm_head.weight"] else "")
+    raise HFFormatError(f"{reader.directory}: tensors missing from the safetensors: "
+                        f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}{hint}")
+  tolerated = {"lm_head.weight"} if cfg.tie_embeddings else set()
+  unexpected = sorted(n for n in names - set(expected) - tolerated
+                      if not n.endswith(IGNORED_SUFFIXES))
+  if unexpected:
+    raise HFFormatError(f"{reader.directory}: tensors this Llama config has no place for: "
+                        f"{', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}; "
+                        f"check config.json (biases, layer count)")
+  for name, shape in expected.items():
+    got = reader.shape(name)
+    if got != shape:
+      raise HFFormatError(f"{reader.directory}: tensor {name} has shape {list(got)}, config.json "
+                          f"implies {list(shape)}")
+  return "model." if prefix is None else prefix
+
+
+# --- export: a streaming safetensors writer --------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingTensor:
+  """A tensor to write: its name, shape, dtype, and a function producing it when its turn comes."""
+  name: str
+  shape: tuple[int, ...]
+  dtype: str  # "float32" | "bfloat16" | "float16"
+  produce: Callable[[], np.ndarray]
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.shape) * (4 if self.dtype == "float32" else 2)
+
+
+def plan_files(tensors: list[PendingTensor], max_file_bytes: int) -> list[list[PendingTensor]]:
+  """Tensors in order, split into files of at most `max_file_bytes` (a larger tensor alone)."""
+  files, current, size = [], [], 0
+  for t in tensors:
+    if current and size + t.nbytes > max_file_bytes:
+      files.append(current)
+      current, size = [], 0
+    current.append(t)
+    size += t.nbytes
+  if current:
+    files.append(current)
+  return files
+
+
+def file_names(num_files: int) -> list[str]:
+  if num_files == 1:
+    return [SINGLE_FILE]
+  return [f"model-{i + 1:05d}-of-{num_files:05d}.safetensors" for i in range(num_files)]
+
+
+def write_safetensors(path: str, tensors: Iterable[PendingTensor], *, write: bool = True) -> None:
+  """Writes one safetensors file, producing and writing one tensor at a time.
+
+  The header (names, dtypes, shapes, byte offsets) is known before any tensor is produced, so it
+  goes first; each tensor is then appended and dropped. With `write=False` the tensors are still
+  produced (every process must take part in the gathers) but nothing is written.
+  """
+  tensors = list(tensors)
+  header = {"__metadata__": {"format": "pt"}}
+  offset = 0
+  for t in tensors:
+    header[t.name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                      "data_offsets": [offset, offset + t.nbytes]}
+    offset += t.nbytes
+  header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+  header_bytes += b" " * ((-len(header_bytes)) % 8)  # keep the data 8-byte aligned
+  np_dtypes = {"float32": np.dtype("<f4"), "bfloat16": np.dtype(jnp.bfloat16),
+               "float16": np.dtype("<f2")}
+  f = open(path + ".tmp", "wb") if write else None  # pylint: disable=consider-using-with
+  try:
+    if f:
+      f.write(struct.pack("<Q", len(header_bytes)))
+      f.write(header_bytes)
+    for t in tensors:
+      x = np.ascontiguousarray(t.produce(), dtype=np_dtypes[t.dtype])
+      if x.shape != t.shape:
+        raise ValueError(f"{t.name}: produced shape {x.shape}, planned {t.shape}")
+      if f:
+        f.write(x.tobytes())
+  finally:
+    if f:
+      f.close()
+  if write:
+    os.replace(path + ".tmp", path)  # a file that exists is whole
+
+
+def write_index(directory: str, files: list[list[PendingTensor]], names: list[str]) -> None:
+  index = {"metadata": {"total_size": sum(t.nbytes for group in files for t in group)},
+           "weight_map": {t.name: name for group, name in zip(files, names) for t in group}}
+  with open(os.path.join(directory, INDEX_FILE), "w", encoding="utf-8") as f:
+    json.dump(index, f, indent=2)
