@@ -21,7 +21,7 @@ from jaxtrain import trainer
 from jaxtrain.config import default_config
 from jaxtrain.mesh import LOGICAL_RULES, make_mesh
 from jaxtrain.model import Llama, ModelConfig
-from jaxtrain.train_step import chunked_cross_entropy
+from jaxtrain.cross_entropy import chunked_cross_entropy
 
 
 def tiny_config():

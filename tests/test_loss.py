@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.train_step import chunked_cross_entropy
+from jaxtrain.cross_entropy import chunked_cross_entropy
 
 
 def naive_cross_entropy(x_BTD, w_DV, targets_BT, mask_BT):
@@ -53,6 +53,6 @@ def test_large_vocab_temporaries_stay_below_full_logits():
   chunked = temp_bytes(lambda x, w, tg, m: chunked_cross_entropy(x, w, tg, m, chunk))
   naive = temp_bytes(naive_cross_entropy)
   assert naive >= full_logits
-  # Measured on CPU: 377 MiB chunked (a few [B, chunk, V] buffers) vs 4008 MiB naive.
+  # Measured on CPU: 252 MiB fused and chunked (a few [B, chunk, V] buffers) vs 4008 MiB naive.
   assert chunked < full_logits / 2, (chunked, naive)
   assert chunked < naive / 8, (chunked, naive)

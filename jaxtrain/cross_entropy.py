@@ -1,0 +1,132 @@
+"""Fused cross-entropy over a large vocabulary: loss and gradient without [B, T, V] logits.
+
+The head projection and the softmax run over chunks of C positions, so float32 logits exist
+only as [B, C, V] blocks. Under differentiation the forward pass also computes the gradient of
+each chunk right away (d logits = softmax - one_hot, times the loss mask) and contracts it into
+dx and dW, which are saved for the backward pass; the backward pass then only scales them by
+the incoming cotangent. Compared with rematerializing each chunk in the backward pass, this
+skips one [B*C, D] x [D, V] matmul per chunk (three head matmuls per step instead of four),
+which matters where the head is a large share of the model (small models, 128k vocabularies).
+Without differentiation (eval) only the loss is computed.
+
+Shapes: x_BTD hidden states, w_DV head weights, targets_BT int32, mask_BT loss weights.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.mesh import shard
+
+
+def _chunked(x_BTD, targets_BT, mask_BT, c: int):
+  """Pads T to a multiple of C (padding has mask 0) and splits it: [N, B, C, ...] each."""
+  b, t, d = x_BTD.shape
+  pad = (-t) % c
+  if pad:
+    x_BTD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0)))
+    targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
+    mask_BT = jnp.pad(mask_BT, ((0, 0), (0, pad)))
+  n = (t + pad) // c
+  x_NBCD = x_BTD.reshape(b, n, c, d).swapaxes(0, 1)
+  targets_NBC = targets_BT.reshape(b, n, c).swapaxes(0, 1)
+  mask_NBC = mask_BT.astype(jnp.float32).reshape(b, n, c).swapaxes(0, 1)
+  return x_NBCD, targets_NBC, mask_NBC
+
+
+def _chunk_loss(x_BCD, w_DV, targets_BC, mask_BC):
+  """(summed masked loss of the chunk, its float32 logits, their log-sum-exp)."""
+  logits_BCV = jnp.einsum("BCD,DV->BCV", x_BCD, w_DV, preferred_element_type=jnp.float32)
+  logits_BCV = shard(logits_BCV, ("act_batch", "act_length", "act_vocab"))
+  lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+  # A one-hot contraction rather than a gather: it stays local when V is sharded.
+  onehot_BCV = jax.nn.one_hot(targets_BC, w_DV.shape[1], dtype=jnp.float32)
+  target_logit_BC = jnp.sum(logits_BCV * onehot_BCV, axis=-1)
+  return jnp.sum((lse_BC - target_logit_BC) * mask_BC), logits_BCV, lse_BC, onehot_BCV
+
+
+def _loss_sum(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
+  x_NBCD, targets_NBC, mask_NBC = _chunked(x_BTD, targets_BT, mask_BT,
+                                           min(chunk_size, x_BTD.shape[1]))
+
+  def body(total, xs):
+    return total + _chunk_loss(xs[0], w_DV, xs[1], xs[2])[0], None
+
+  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (x_NBCD, targets_NBC, mask_NBC))
+  return total
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def cross_entropy_sum(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
+  """Sum over positions of mask * (next-token cross-entropy), float32."""
+  return _loss_sum(x_BTD, w_DV, targets_BT, mask_BT, chunk_size)
+
+
+def _fwd(x_BTD, w_DV, targets_BT, mask_BT, chunk_size):
+  b, t, d = x_BTD.shape
+  x_NBCD, targets_NBC, mask_NBC = _chunked(x_BTD, targets_BT, mask_BT, min(chunk_size, t))
+
+  def body(carry, xs):
+    total, dw_DV = carry
+    x_BCD, targets_BC, mask_BC = xs
+    loss, logits_BCV, lse_BC, onehot_BCV = _chunk_loss(x_BCD, w_DV, targets_BC, mask_BC)
+    dlogits_BCV = (jnp.exp(logits_BCV - lse_BC[..., None]) - onehot_BCV) * mask_BC[..., None]
+    dx_BCD = jnp.einsum("BCV,DV->BCD", dlogits_BCV.astype(w_DV.dtype), w_DV,
+                        preferred_element_type=jnp.float32)
+    dw_DV = dw_DV + jnp.einsum("BCD,BCV->DV", x_BCD, dlogits_BCV.astype(x_BCD.dtype),
+                               preferred_element_type=jnp.float32)
+    # The accumulator keeps the head's own sharding (vocab over tensor, embed over fsdp), so
+    # no device ever holds a whole float32 [D, V].
+    dw_DV = shard(dw_DV, ("embed", "vocab"))
+    return (total + loss, dw_DV), dx_BCD.astype(x_BCD.dtype)
+
+  init = (jnp.zeros((), jnp.float32), shard(jnp.zeros(w_DV.shape, jnp.float32), ("embed", "vocab")))
+  (total, dw_DV), dx_NBCD = jax.lax.scan(body, init, (x_NBCD, targets_NBC, mask_NBC))
+  dx_BTD = dx_NBCD.swapaxes(0, 1).reshape(b, -1, d)[:, :t]
+  return total, (dx_BTD, dw_DV.astype(w_DV.dtype))
+
+
+def _bwd(chunk_size, residuals, g):
+  del chunk_size
+  dx_BTD, dw_DV = residuals
+  # Targets are integers and the mask is data: neither gets a gradient.
+  return (g * dx_BTD).astype(dx_BTD.dtype), (g * dw_DV).astype(dw_DV.dtype), None, None
+
+
+cross_entropy_sum.defvjp(_fwd, _bwd)
+
+
+def chunked_cross_entropy(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
+  """(sum of masked token losses, number of masked tokens), both float32."""
+  return (cross_entropy_sum(x_BTD, w_DV, targets_BT, mask_BT, chunk_size),
+          jnp.sum(mask_BT.astype(jnp.float32)))
+
+
+def sequence_cross_entropy(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
+  """[B] per-row sums of mask * cross-entropy, float32 (e.g. sequence log-probs for DPO).
+
+  Per-row outputs get per-row cotangents, so dW cannot be formed in the forward pass as in
+  `cross_entropy_sum`; here each chunk runs under remat instead, and the backward pass
+  recomputes its logits. Memory is the same: [B, C, V] float32 at a time.
+  """
+  x_NBCD, targets_NBC, mask_NBC = _chunked(x_BTD, targets_BT, mask_BT,
+                                           min(chunk_size, x_BTD.shape[1]))
+
+  @jax.checkpoint
+  def chunk_rows(x_BCD, targets_BC, mask_BC):
+    logits_BCV = jnp.einsum("BCD,DV->BCV", x_BCD, w_DV, preferred_element_type=jnp.float32)
+    logits_BCV = shard(logits_BCV, ("act_batch", "act_length", "act_vocab"))
+    lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+    onehot_BCV = jax.nn.one_hot(targets_BC, w_DV.shape[1], dtype=jnp.float32)
+    target_logit_BC = jnp.sum(logits_BCV * onehot_BCV, axis=-1)
+    return jnp.sum((lse_BC - target_logit_BC) * mask_BC, axis=-1)
+
+  def body(total_B, xs):
+    return total_B + chunk_rows(*xs), None
+
+  total_B, _ = jax.lax.scan(body, jnp.zeros(x_BTD.shape[:1], jnp.float32),
+                            (x_NBCD, targets_NBC, mask_NBC))
+  return total_B

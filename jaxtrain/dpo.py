@@ -1,0 +1,72 @@
+"""Direct Preference Optimization: the sigmoid DPO loss of a policy against a frozen reference.
+
+A batch holds, per side (chosen, rejected), `{side}_input_ids`, `{side}_attention_mask` and
+`{side}_loss_mask`, each [B, T] and right-padded. The loss mask marks completion tokens at their
+own positions: the log-probability of token t+1 (predicted at position t) counts when
+`loss_mask[t+1]` is set. A sequence's log-probability is the sum over its completion tokens.
+
+  loss = mean_b -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))
+
+with pi/ref the policy/reference sequence log-probs of the chosen (c) and rejected (r)
+responses. The reference gets no gradient. Log-probs go through the chunked head
+(`cross_entropy.sequence_cross_entropy`): no [B, T, V] logits are materialized.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.cross_entropy import sequence_cross_entropy
+
+SIDES = ("chosen", "rejected")
+BATCH_KEYS = tuple(f"{side}_{name}" for side in SIDES
+                   for name in ("input_ids", "attention_mask", "loss_mask"))
+
+
+def sequence_logprobs(model, input_ids_BT, attention_mask_BT, loss_mask_BT,
+                      chunk_size: int = 512) -> jax.Array:
+  """[B] float32: sum over t of log p(input_ids[t+1] | input_ids[:t+1]) where loss_mask[t+1]."""
+  attention_mask_BT = attention_mask_BT.astype(jnp.int32)
+  # Right padding: real tokens keep positions 0..n-1 and never see the padding (segment 0)
+  # behind them, so a padded row computes exactly what the unpadded sequence would.
+  x_BTD = model.hidden_states(input_ids_BT, None, attention_mask_BT)
+  weights_BT = (loss_mask_BT * attention_mask_BT).astype(jnp.float32)
+  nll_B = sequence_cross_entropy(x_BTD[:, :-1], model.head_weights(), input_ids_BT[:, 1:],
+                                 weights_BT[:, 1:], chunk_size)
+  return -nll_B
+
+
+def _both_sides(model, batch, chunk_size):
+  """(chosen [B], rejected [B]) log-probs from one forward pass over the 2B sequences."""
+  stacked = {name: jnp.concatenate([batch[f"chosen_{name}"], batch[f"rejected_{name}"]])
+             for name in ("input_ids", "attention_mask", "loss_mask")}
+  logps_2B = sequence_logprobs(model, stacked["input_ids"], stacked["attention_mask"],
+                               stacked["loss_mask"], chunk_size)
+  return jnp.split(logps_2B, 2)
+
+
+def dpo_loss(policy_model, reference_model, batch, beta: float, *, chunk_size: int = 512):
+  """(mean sigmoid DPO loss, metrics). Metrics are batch means: chosen/rejected rewards
+  (beta * (policy - reference) log-probs), their margin, accuracy (the fraction of pairs whose
+  chosen reward is the larger) and the policy's log-probs."""
+  missing = [k for k in BATCH_KEYS if k not in batch]
+  if missing:
+    raise KeyError(f"DPO batch lacks {missing}; it needs {list(BATCH_KEYS)}")
+  policy_chosen_B, policy_rejected_B = _both_sides(policy_model, batch, chunk_size)
+  ref_chosen_B, ref_rejected_B = jax.lax.stop_gradient(
+      _both_sides(reference_model, batch, chunk_size))
+  chosen_rewards_B = beta * (policy_chosen_B - ref_chosen_B)
+  rejected_rewards_B = beta * (policy_rejected_B - ref_rejected_B)
+  margin_B = chosen_rewards_B - rejected_rewards_B
+  loss = -jnp.mean(jax.nn.log_sigmoid(margin_B))
+  metrics = {
+      "loss": loss,
+      "chosen_rewards": jnp.mean(chosen_rewards_B),
+      "rejected_rewards": jnp.mean(rejected_rewards_B),
+      "reward_margin": jnp.mean(margin_B),
+      "reward_accuracy": jnp.mean((margin_B > 0).astype(jnp.float32)),
+      "policy_chosen_logps": jnp.mean(policy_chosen_B),
+      "policy_rejected_logps": jnp.mean(policy_rejected_B),
+  }
+  return loss, metrics
