@@ -5,6 +5,8 @@
   TPU, the Pallas interpreter anywhere with `interpret=True` (slow: for tests on CPU).
 - `cudnn`: `jax.nn.dot_product_attention` with cuDNN's fused kernel (GPU only).
 - `auto`: cuDNN on GPU, pallas on TPU, xla on CPU.
+- `blockwise` (internal, not a config choice): flash-style blocks in plain jnp, exact, memory
+  linear in T; the dry run's stand-in for the fused kernels, which XLA:CPU cannot compile.
 
 Shapes: q_BTHE, k_BSKE, v_BSKE with K kv heads dividing H query heads (grouped-query attention;
 K/V are never repeated in memory: queries are regrouped as [B, T, K, G, E]). `segment_ids_BT`
@@ -16,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.blockwise_attention import blockwise_attention
 from jaxtrain.mesh import logical_to_spec
 from kernels_pallas.flash_attention import flash_attention
 
@@ -28,6 +31,8 @@ def resolve_impl(impl: str, platform: str | None = None, interpret: bool = False
   platform = platform or jax.default_backend()
   if impl == "auto":
     return _AUTO.get(platform, "xla")
+  if impl == "blockwise":
+    return impl
   if impl not in IMPLS:
     raise ValueError(f"attention impl {impl!r} is unknown; choose one of {', '.join(IMPLS)}")
   if impl == "cudnn" and platform != "gpu":
@@ -115,5 +120,5 @@ def attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, impl="xla", causal
     return pallas_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, causal=causal,
                             sm_scale=sm_scale, interpret=interpret, block_q=block_q,
                             block_k=block_k)
-  fn = {"xla": xla_attention, "cudnn": cudnn_attention}[impl]
+  fn = {"xla": xla_attention, "cudnn": cudnn_attention, "blockwise": blockwise_attention}[impl]
   return fn(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, causal=causal, sm_scale=sm_scale)

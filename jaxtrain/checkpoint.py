@@ -8,6 +8,7 @@ only after a save finishes).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -130,6 +131,17 @@ def load_params(path: str, abstract_params: Any) -> tuple[Any, str]:
 
 
 WEIGHTS_ITEM = "params"
+
+
+def saved_config(path: str) -> dict | None:
+  """The resolved config (a dict) a run saved with the checkpoint that `load_params(path)` reads,
+  or None for a weights directory (its config is the user's, e.g. its config.py)."""
+  item, subtree = _weights_item(path)
+  meta = os.path.join(os.path.dirname(item), "meta", "metadata")
+  if not subtree or not os.path.exists(meta):
+    return None
+  with open(meta, encoding="utf-8") as f:
+    return json.load(f)["config"]
 
 
 def _weights_item(path: str) -> tuple[str, str | None]:

@@ -14,10 +14,14 @@ import os
 import ml_collections
 from ml_collections import config_dict
 
-REMAT_POLICIES = ("none", "full", "minimal", "save_dots", "save_qkv_proj")
-ATTENTION_IMPLS = ("xla", "cudnn", "auto")
+# The offload variants keep what their base policy saves in pinned host memory (model.py).
+REMAT_POLICIES = ("none", "full", "minimal", "save_dots", "save_qkv_proj", "minimal_offload",
+                  "save_dots_offload", "save_qkv_proj_offload")
+ATTENTION_IMPLS = ("xla", "pallas", "cudnn", "auto")
 ROPE_SCALING_TYPES = ("none", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
+# Adam moments: float16 is refused, its range underflows the second moment of small grads.
+STATE_DTYPES = ("float32", "bfloat16")
 
 
 class ConfigError(ValueError):
@@ -50,11 +54,18 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.scan_layers = True
   c.model.remat_policy = "minimal"
   c.model.param_dtype = "float32"
-  # Compute dtype. float32 on CPU; configs for accelerators set bfloat16.
-  c.model.dtype = "float32"
+  # Compute dtype; "auto": bfloat16 on accelerators (GPU, TPU), float32 on CPU.
+  c.model.dtype = "auto"
 
   c.attention = ml_collections.ConfigDict()
+  # xla (reference einsums), pallas (our flash-attention kernels: GPU, TPU), cudnn (GPU), auto
+  # (cudnn on GPU, pallas on TPU, xla on CPU).
   c.attention.impl = "xla"
+  # pallas only: run the kernels in the Pallas interpreter (any backend, slow: for tests on CPU).
+  c.attention.interpret = False
+  # pallas only: query / key rows per kernel block; 0 picks the backend's default.
+  c.attention.block_q = 0
+  c.attention.block_k = 0
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1
@@ -88,6 +99,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.optim.eps = 1e-8
   c.optim.weight_decay = 0.1
   c.optim.grad_clip_norm = 1.0
+  # dtype of the Adam moments (mu, nu); they are updated in float32 and stored in this dtype.
+  c.optim.state_dtype = "float32"
+  # Keep the optimizer state in pinned host memory between steps (it comes to the device for
+  # the update): frees 2x the param bytes (float32 moments) of device memory per device.
+  c.optim.offload_state = False
 
   c.data = ml_collections.ConfigDict()
   # "stdlib_bytes" (the demo corpus), "arrayrecord" (shards from `python -m
@@ -146,7 +162,7 @@ def llama3_config(*, num_layers: int, d_model: int, num_heads: int, head_dim: in
   m.rope_scaling.original_max_position_embeddings = 8192
   m.max_position_embeddings = 131072
   m.scan_layers, m.remat_policy = True, "minimal"
-  m.param_dtype, m.dtype = "float32", "bfloat16"
+  m.param_dtype, m.dtype = "float32", "auto"
   c.attention.impl = "auto"
   c.train.global_batch_size, c.train.seq_len, c.train.steps = global_batch_size, 8192, 10000
   c.train.loss_chunk_size = 1024
@@ -245,12 +261,27 @@ def validate(config, num_devices: int, platform: str = "cpu") -> MeshShape:
   if config.attention.impl == "cudnn" and platform != "gpu":
     raise ConfigError(f"attention.impl='cudnn': needs a GPU, this backend is {platform!r}; use "
                       f"'xla' or 'auto'")
+  if (config.attention.impl == "pallas" and platform not in ("gpu", "tpu")
+      and not config.attention.interpret):
+    raise ConfigError(f"attention.impl='pallas': the kernels compile for GPU or TPU, this backend "
+                      f"is {platform!r}; set attention.interpret=True to run them in the Pallas "
+                      f"interpreter (slow, for tests), or use 'xla'")
+  for key in ("block_q", "block_k"):
+    if config.attention[key] < 0:
+      raise ConfigError(f"attention.{key}={config.attention[key]}: must be >= 0 (0: the "
+                        f"backend's default block)")
   if m.rope_scaling.type not in ROPE_SCALING_TYPES:
     raise ConfigError(f"model.rope_scaling.type={m.rope_scaling.type!r}: choose one of "
                       f"{', '.join(ROPE_SCALING_TYPES)}")
-  for key in ("param_dtype", "dtype"):
-    if m[key] not in DTYPES:
-      raise ConfigError(f"model.{key}={m[key]!r}: choose one of {', '.join(DTYPES)}")
+  if m.param_dtype not in DTYPES:
+    raise ConfigError(f"model.param_dtype={m.param_dtype!r}: choose one of {', '.join(DTYPES)}")
+  if m.dtype not in DTYPES + ("auto",):
+    raise ConfigError(f"model.dtype={m.dtype!r}: choose one of {', '.join(DTYPES)} or 'auto' "
+                      f"(bfloat16 on accelerators, float32 on CPU)")
+  if config.optim.state_dtype not in STATE_DTYPES:
+    raise ConfigError(f"optim.state_dtype={config.optim.state_dtype!r}: choose one of "
+                      f"{', '.join(STATE_DTYPES)}")
+  _check_host_memory(config, platform)
   if m.num_heads % m.num_kv_heads:
     raise ConfigError(f"model.num_kv_heads={m.num_kv_heads}: must divide model.num_heads="
                       f"{m.num_heads} (grouped-query attention); pick a divisor of it")
@@ -302,6 +333,40 @@ def validate(config, num_devices: int, platform: str = "cpu") -> MeshShape:
   if not 0.0 < config.data.eval_fraction < 1.0:
     raise ConfigError(f"data.eval_fraction={config.data.eval_fraction}: must be in (0, 1)")
   return mesh
+
+
+def resolve_compute_dtype(name: str, platform: str) -> str:
+  """`model.dtype` as a dtype name: "auto" is bfloat16 on accelerators, float32 on CPU."""
+  if name != "auto":
+    return name
+  return "float32" if platform == "cpu" else "bfloat16"
+
+
+def host_memory_kinds(platform: str) -> set[str] | None:
+  """Memory kinds of `platform`'s devices in this process, or None when it has none here (a
+  dry run checks a config for accelerators it does not have)."""
+  import jax  # pylint: disable=import-outside-toplevel  (validation of other keys needs no jax)
+  try:
+    devices = jax.devices(platform)
+  except RuntimeError:
+    return None
+  return {memory.kind for memory in devices[0].addressable_memories()}
+
+
+def _check_host_memory(config, platform: str):
+  """Offload options need a backend whose devices can address pinned host memory."""
+  wanted = []
+  if config.model.remat_policy.endswith("_offload"):
+    wanted.append(f"model.remat_policy={config.model.remat_policy!r}")
+  if config.optim.offload_state:
+    wanted.append("optim.offload_state=True")
+  if not wanted:
+    return
+  kinds = host_memory_kinds(platform)
+  if kinds is not None and "pinned_host" not in kinds:
+    raise ConfigError(f"{' and '.join(wanted)}: the {platform!r} backend has no pinned_host "
+                      f"memory (its devices address {', '.join(sorted(kinds))}); use a remat "
+                      f"policy without _offload and optim.offload_state=False")
 
 
 def _largest_divisor(value: int, limit: int) -> int:

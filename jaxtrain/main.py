@@ -1,7 +1,9 @@
 """CLI: `python -m jaxtrain.main --config=configs/NAME.py [--config.KEY=VALUE ...] [--workdir=DIR]`.
 
 Parses the config, validates it before anything compiles (a bad value prints one line and exits
-with code 2), initializes multi-process JAX when launched that way, and trains.
+with code 2), initializes multi-process JAX when launched that way, and trains; or, with
+`--dry_run [--dry_run_devices=N]`, compiles the train step for N devices and reports whether it
+fits (jaxtrain/dry_run.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for metrics.jsonl and TensorBoard events "
     "(default: runs/<config name>).")
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run", False, "Compile the train step on abstract inputs and report per-device memory, "
+    "FLOPs and which accelerators it fits; train nothing.")
+_DRY_RUN_DEVICES = flags.DEFINE_integer(
+    "dry_run_devices", None, "Devices to compile the dry run for (default: this process's); "
+    "more than present are emulated as CPU devices in a subprocess.")
 
 
 def _default_workdir() -> str:
@@ -61,6 +69,10 @@ def main(argv):
   workdir = _WORKDIR.value or _default_workdir()
   start = time.perf_counter()
   try:
+    if _DRY_RUN.value:
+      from jaxtrain import dry_run  # pylint: disable=import-outside-toplevel
+      sys.exit(dry_run.main(config, _DRY_RUN_DEVICES.value,
+                            config_flags.get_config_filename(flags.FLAGS["config"])))
     mesh_shape = validate(config, jax.device_count(), jax.default_backend())
     # Checks that need the data (tokenizer vs vocab, batch vs process count) raise ConfigError
     # from inside run(), still before anything compiles.

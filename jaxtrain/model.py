@@ -20,6 +20,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain import attention as attention_lib
+from jaxtrain.config import resolve_compute_dtype
 from jaxtrain.mesh import shard
 
 
@@ -41,12 +42,18 @@ class ModelConfig:
   scan_layers: bool = True
   remat_policy: str = "minimal"
   attention_impl: str = "xla"
+  attention_interpret: bool = False  # pallas: run the kernels in the Pallas interpreter
+  attention_blocks: tuple[int, int] = (0, 0)  # pallas: (block_q, block_k); 0 = the default
   param_dtype: str = "float32"
   dtype: str = "float32"
 
   @classmethod
-  def from_config(cls, config) -> "ModelConfig":
-    """From the ml-collections run config (its `model` and `attention` groups)."""
+  def from_config(cls, config, platform: str | None = None) -> "ModelConfig":
+    """From the ml-collections run config (its `model` and `attention` groups).
+
+    `platform` ("cpu", "gpu", "tpu"; default: this process's JAX backend) resolves
+    `model.dtype="auto"`: bfloat16 compute on accelerators, float32 on CPU.
+    """
     m = config.model
     scaling = None
     if m.rope_scaling.type == "llama3":
@@ -57,17 +64,37 @@ class ModelConfig:
                rope_scaling=scaling, max_position_embeddings=m.max_position_embeddings,
                tie_embeddings=m.tie_embeddings, init_std=m.init_std, scan_layers=m.scan_layers,
                remat_policy=m.remat_policy, attention_impl=config.attention.impl,
-               param_dtype=m.param_dtype, dtype=m.dtype)
+               attention_interpret=config.attention.interpret,
+               attention_blocks=(config.attention.block_q, config.attention.block_k),
+               param_dtype=m.param_dtype,
+               dtype=resolve_compute_dtype(m.dtype, platform or jax.default_backend()))
+
+
+_QKV_NAMES = ("query_proj", "key_proj", "value_proj")
+# Where offload policies move saved activations: from accelerator memory to page-locked host
+# memory, which the device reads back over PCIe / the host link in the backward pass.
+_SRC, _DST = "device", "pinned_host"
+_TO_HOST = dict(offload_src=_SRC, offload_dst=_DST)
+
+
+def _offload_all_dots(prim, *_, **__):
+  """save_dots with every saved matmul output moved to host memory instead of kept on device."""
+  if prim is jax.lax.dot_general_p:
+    return jax.ad_checkpoint.Offloadable(src=_SRC, dst=_DST)
+  return jax.ad_checkpoint.Recompute
 
 
 def remat_policy(name: str):
-  """Named remat policies. Returns None for `none` (no remat at all).
+  """Named remat policies (config.REMAT_POLICIES). Returns None for `none` (no remat at all).
 
   full: save only each layer's input; recompute the whole layer in the backward pass.
   minimal: save the outputs of matmuls without dot_general batch dims, i.e. the weight
     projections (q/k/v/o, gate/up/down); recompute attention scores and elementwise work.
   save_dots: save every matmul output (most memory of the remat policies, least recompute).
   save_qkv_proj: save only the q/k/v projections (named with checkpoint_name), recompute the rest.
+  *_offload: the same values saved, but in pinned host memory rather than device memory; the
+    backward pass copies them back. Device memory of `full`, recompute of the base policy, plus
+    host-link traffic (which XLA overlaps with compute where it can).
   """
   policies = jax.checkpoint_policies
   return {
@@ -75,7 +102,11 @@ def remat_policy(name: str):
       "full": policies.nothing_saveable,
       "minimal": policies.dots_with_no_batch_dims_saveable,
       "save_dots": policies.dots_saveable,
-      "save_qkv_proj": policies.save_only_these_names("query_proj", "key_proj", "value_proj"),
+      "save_qkv_proj": policies.save_only_these_names(*_QKV_NAMES),
+      "minimal_offload": policies.offload_dot_with_no_batch_dims(**_TO_HOST),
+      "save_dots_offload": _offload_all_dots,
+      "save_qkv_proj_offload": policies.save_and_offload_only_these_names(
+          names_which_can_be_saved=(), names_which_can_be_offloaded=_QKV_NAMES, **_TO_HOST),
   }[name]
 
 
@@ -139,6 +170,10 @@ class Attention(nnx.Module):
     # Static (hashable) so it stays out of the param state; inv_freq is a trace-time constant.
     self.rope = (e, cfg.rope_theta, cfg.rope_scaling)
     self.impl = cfg.attention_impl
+    block_q, block_k = cfg.attention_blocks
+    # A tuple, not a dict: NNX keeps static attributes in the graph definition, which must hash.
+    self.attention_options = (("interpret", cfg.attention_interpret),
+                              ("block_q", block_q or None), ("block_k", block_k or None))
     self.dtype = jnp.dtype(cfg.dtype)
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT):
@@ -156,7 +191,8 @@ class Attention(nnx.Module):
     inv_freq = rope_inv_freq(head_dim, theta, dict(scaling) if scaling else None)
     q_BTHE = apply_rope(q_BTHE, positions_BT, inv_freq)
     k_BTKE = apply_rope(k_BTKE, positions_BT, inv_freq)
-    out_BTHE = attention_lib.attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, impl=self.impl)
+    out_BTHE = attention_lib.attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, impl=self.impl,
+                                       **dict(self.attention_options))
     out_BTD = jnp.einsum("BTHE,HED->BTD", out_BTHE, self.wo_HED[...].astype(dt))
     return shard(out_BTD, ("act_batch", "act_length", "act_embed"))
 

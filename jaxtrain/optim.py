@@ -3,11 +3,18 @@
 Weight decay skips the RMSNorm scales (decaying them toward 0 would shrink every activation);
 the mask is by parameter name, because with scanned layers a norm scale is 2-D ([L, D]) and a
 rank rule would decay it.
+
+Memory: the Adam moments are stored in `optim.state_dtype` (bfloat16 halves them) and, with
+`optim.offload_state`, live in pinned host memory between steps. The optimizer carries that
+placement as `state_memory_kind`, which `train_step.opt_state_shardings` reads.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
+import jax.numpy as jnp
 import optax
 
 
@@ -34,11 +41,69 @@ def weight_decay_mask(params):
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
+def scale_by_adam(b1: float, b2: float, eps: float,
+                  state_dtype: Any = jnp.float32) -> optax.GradientTransformation:
+  """Adam's update direction with both moments stored in `state_dtype`.
+
+  optax.scale_by_adam can narrow only the first moment. Here the moments are read, updated and
+  bias-corrected in float32 and rounded to `state_dtype` only when stored, so a float32 state
+  gives optax's numbers. The state is optax's ScaleByAdamState (count, mu, nu), so checkpoints
+  keep their tree paths.
+  """
+  state_dtype = jnp.dtype(state_dtype)
+
+  def init(params):
+    zeros = lambda p: jnp.zeros(p.shape, state_dtype)
+    return optax.ScaleByAdamState(count=jnp.zeros((), jnp.int32), mu=jax.tree.map(zeros, params),
+                                  nu=jax.tree.map(zeros, params))
+
+  def update(grads, state, params=None):
+    del params
+    count = optax.safe_increment(state.count)
+    c = count.astype(jnp.float32)
+
+    def moments(g, mu, nu):
+      g32 = g.astype(jnp.float32)
+      mu32 = b1 * mu.astype(jnp.float32) + (1.0 - b1) * g32
+      nu32 = b2 * nu.astype(jnp.float32) + (1.0 - b2) * (g32 * g32)
+      mu_hat, nu_hat = mu32 / (1.0 - b1 ** c), nu32 / (1.0 - b2 ** c)
+      step = (mu_hat / (jnp.sqrt(nu_hat) + eps)).astype(g.dtype)
+      return step, mu32.astype(state_dtype), nu32.astype(state_dtype)
+
+    out = jax.tree.map(moments, grads, state.mu, state.nu)
+    is_out = lambda x: isinstance(x, tuple)
+    pick = lambda i: jax.tree.map(lambda o: o[i], out, is_leaf=is_out)
+    return pick(0), optax.ScaleByAdamState(count=count, mu=pick(1), nu=pick(2))
+
+  return optax.GradientTransformation(init, update)
+
+
+class HostStateTransformation(optax.GradientTransformation):
+  """An optimizer whose state lives in pinned host memory between steps.
+
+  The same (init, update) pair; only `state_memory_kind` differs, and `opt_state_shardings`
+  gives the param-shaped state that memory kind. The jitted train step brings the state to the
+  device for the update and its out_shardings send the new state back, so the device holds it
+  only transiently. Needs a backend with pinned_host memory (config.validate checks).
+  """
+  state_memory_kind = "pinned_host"
+
+
 def make_optimizer(config) -> optax.GradientTransformation:
+  """clip -> AdamW (moments in optim.state_dtype), optionally with host-resident state.
+
+  The AdamW chain is optax.adamw's (scale_by_adam, masked weight decay, -lr), nested the same
+  way, so the optimizer state's tree is unchanged from earlier checkpoints.
+  """
   o = config.optim
   parts = []
   if o.grad_clip_norm > 0:
     parts.append(optax.clip_by_global_norm(o.grad_clip_norm))
-  parts.append(optax.adamw(learning_rate_schedule(config), b1=o.b1, b2=o.b2, eps=o.eps,
-                           weight_decay=o.weight_decay, mask=weight_decay_mask))
-  return optax.chain(*parts)
+  parts.append(optax.chain(
+      scale_by_adam(o.b1, o.b2, o.eps, state_dtype=o.state_dtype),
+      optax.add_decayed_weights(o.weight_decay, mask=weight_decay_mask),
+      optax.scale_by_learning_rate(learning_rate_schedule(config))))
+  tx = optax.chain(*parts)
+  if o.offload_state:
+    return HostStateTransformation(tx.init, tx.update)
+  return tx

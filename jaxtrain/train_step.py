@@ -16,6 +16,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
+from jaxtrain.cross_entropy import chunked_cross_entropy
 from jaxtrain.mesh import batch_sharding, replicated, shard
 
 Batch = dict[str, jax.Array]
@@ -27,42 +28,6 @@ class TrainState(struct.PyTreeNode):
   params: Any  # nnx.State of the model's Params
   opt_state: optax.OptState
   bad_streak: jax.Array  # consecutive steps skipped for a non-finite loss or gradient
-
-
-def chunked_cross_entropy(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
-  """(sum of masked token losses, number of masked tokens), both float32.
-
-  The head and softmax run over chunks of `chunk_size` positions under remat, so only float32
-  [B, chunk, V] logits exist at a time, forward and backward, instead of [B, T, V].
-  """
-  b, t, d = x_BTD.shape
-  c = min(chunk_size, t)
-  pad = (-t) % c
-  if pad:  # padded positions carry mask 0
-    x_BTD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0)))
-    targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
-    mask_BT = jnp.pad(mask_BT, ((0, 0), (0, pad)))
-  n = (t + pad) // c
-  x_NBCD = x_BTD.reshape(b, n, c, d).swapaxes(0, 1)
-  targets_NBC = targets_BT.reshape(b, n, c).swapaxes(0, 1)
-  mask_NBC = mask_BT.astype(jnp.float32).reshape(b, n, c).swapaxes(0, 1)
-  vocab = w_DV.shape[1]
-
-  @jax.checkpoint
-  def chunk_loss(x_BCD, targets_BC, mask_BC):
-    logits_BCV = jnp.einsum("BCD,DV->BCV", x_BCD, w_DV, preferred_element_type=jnp.float32)
-    logits_BCV = shard(logits_BCV, ("act_batch", "act_length", "act_vocab"))
-    lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-    # A one-hot contraction rather than a gather: it stays local when V is sharded.
-    target_logit_BC = jnp.sum(logits_BCV * jax.nn.one_hot(targets_BC, vocab, dtype=jnp.float32),
-                              axis=-1)
-    return jnp.sum((lse_BC - target_logit_BC) * mask_BC)
-
-  def body(total, xs):
-    return total + chunk_loss(*xs), None
-
-  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (x_NBCD, targets_NBC, mask_NBC))
-  return total, jnp.sum(mask_NBC)
 
 
 def loss_sum_fn(params, graphdef, batch: Batch, loss_chunk_size: int):
@@ -137,7 +102,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
   def train_step(state: TrainState, batch: Batch):
     loss, count, grads = grad_fn(state.params, batch)
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    # Optimizer state kept in host memory (optim.offload_state) is brought to the device for the
+    # update, and the out_shardings send the new state back; for device-resident state this is a
+    # no-op.
+    old_opt_state = jax.device_put(state.opt_state, jax.memory.Space.Device)
+    updates, opt_state = tx.update(grads, old_opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # A NaN/Inf loss or gradient skips the update (params and optimizer state unchanged) rather
     # than poisoning the weights; the trainer stops after too many in a row.
@@ -153,7 +122,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         "bad_streak": bad_streak,
     }
     return state.replace(step=state.step + 1, params=keep(params, state.params),
-                         opt_state=keep(opt_state, state.opt_state),
+                         opt_state=keep(opt_state, old_opt_state),
                          bad_streak=bad_streak), metrics
 
   return train_step
@@ -167,9 +136,15 @@ def make_eval_step(graphdef, loss_chunk_size: int = 512) -> Callable:
 
 
 def opt_state_shardings(tx, abstract_params, param_shardings, mesh: Mesh):
-  """Optimizer-state shardings: each param-shaped moment follows its param; scalars replicate."""
+  """Optimizer-state shardings: each param-shaped moment follows its param; scalars replicate.
+
+  Param-shaped state goes to the memory kind the optimizer asks for (`state_memory_kind`, set by
+  optim.HostStateTransformation to pinned_host), device memory otherwise.
+  """
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
-  return optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
+  memory_kind = getattr(tx, "state_memory_kind", None)
+  place = (lambda s: s) if memory_kind is None else (lambda s: s.with_memory_kind(memory_kind))
+  return optax.tree_map_params(tx, lambda _, s: place(s), abstract_opt, param_shardings,
                                transform_non_params=lambda _: replicated(mesh))
 
 

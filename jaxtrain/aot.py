@@ -1,0 +1,193 @@
+"""Ahead-of-time compile of the real train step on abstract inputs: per-device memory and FLOPs.
+
+The step is built exactly as the trainer builds it (abstract model -> shardings -> optimizer ->
+`make_train_step` -> `jit_train_step`, with its in/out shardings and donated state), then lowered
+with `jax.ShapeDtypeStruct` inputs that carry those shardings, so no weight is ever allocated.
+Parameter and optimizer bytes per device are exact (shard shapes times itemsizes); temporaries
+and outputs come from the compiler's `memory_analysis()`; FLOPs from the optimized HLO
+(`hlo_flops`) and from XLA's own `cost_analysis()`.
+
+Compiling for CPU while modelling an accelerator: `model.dtype="auto"` resolves as on an
+accelerator (bfloat16), and a fused attention kernel (`attention.impl` other than "xla": cuDNN on
+GPU, Pallas on TPU), which XLA:CPU cannot compile, is stood in for by `blockwise_attention`, which
+has the same memory profile.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtrain import hlo_flops, metrics, optim
+from jaxtrain.config import MeshShape, validate
+from jaxtrain.mesh import batch_sharding, make_mesh
+from jaxtrain.model import ModelConfig
+from jaxtrain.sharding import abstract_model
+from jaxtrain.train_step import (BATCH_KEYS, TrainState, jit_train_step, make_train_step,
+                                 state_shardings)
+
+HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
+# A dry run never executes its CPU program, so LLVM need not optimize it: these leave the HLO,
+# and so buffer assignment and FLOPs, unchanged and halve XLA:CPU compile time.
+_CPU_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_allow_excess_precision": False,
+                        "xla_llvm_disable_expensive_passes": True}
+
+
+@dataclasses.dataclass
+class ParamShard:
+  """One parameter array: where it is split and what each device holds."""
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  spec: str
+  device_bytes: int
+
+
+@dataclasses.dataclass
+class Measurement:
+  """Per-device figures of one compiled train step (bytes unless named otherwise)."""
+  num_devices: int
+  backend: str  # what the program was compiled for ("cpu" in a dry run without accelerators)
+  mesh: MeshShape
+  model_cfg: ModelConfig
+  params: int  # exact, from the shardings
+  opt_device: int  # optimizer state in device memory
+  opt_host: int  # optimizer state in host memory (optim.offload_state)
+  batch: int
+  temp: int  # compiler: temporaries (activations, gradients, gathered weights, ...)
+  outputs: int  # compiler: outputs not written in place of donated inputs
+  compiler_arguments: int  # compiler: all argument bytes, to cross-check the exact figures
+  flops: float  # per device, compiled matmuls with loops counted per iteration
+  xla_flops: float  # per device, compiled.cost_analysis() (each loop body once)
+  loops_without_trip_count: int
+  compile_s: float
+  param_shards: list[ParamShard]
+  attention_note: str
+  act_host: int = 0  # saved activations in host memory (offload remat policies), estimated
+  remat_note: str = ""
+
+  @property
+  def total(self) -> int:
+    """Device memory the step needs per device: live state, batch, temporaries, new outputs."""
+    return self.params + self.opt_device + self.batch + self.temp + self.outputs
+
+
+def _nbytes(shape, dtype) -> int:
+  return int(math.prod(shape)) * jnp.dtype(dtype).itemsize
+
+
+def _shard_bytes(abstract, sharding) -> int:
+  return _nbytes(sharding.shard_shape(abstract.shape), abstract.dtype)
+
+
+def modelled_model_config(config, backend: str) -> tuple[ModelConfig, str]:
+  """The model config an accelerator would run, adapted to compile on `backend`; and a note on
+  how attention is modelled."""
+  platform = "gpu" if backend == "cpu" else backend  # "auto" dtype as on an accelerator
+  cfg = ModelConfig.from_config(config, platform=platform)
+  impl = config.attention.impl
+  if backend == "cpu" and impl != "xla":
+    note = (f"attention.impl={impl!r}: a fused kernel on accelerators; modelled by blockwise "
+            f"(flash-style) jnp attention, which has its memory profile")
+    return dataclasses.replace(cfg, attention_impl="blockwise"), note
+  if impl == "xla":
+    note = "attention.impl='xla': whole [B, H, T, S] score tensors, as on an accelerator"
+  else:
+    note = f"attention.impl={impl!r}, compiled for {backend}"
+  return cfg, note
+
+
+def measure(config, devices) -> Measurement:
+  """Compiles the train step of `config` for a mesh over `devices` and measures it.
+
+  XLA:CPU accepts the host-offload remat policies but keeps the offloaded activations in its one
+  memory, so on CPU an `*_offload` policy is modelled from a second compile with `full` remat
+  (what stays on the device: layer inputs and one layer's recompute); the difference is what
+  the accelerator would hold in host memory. Its FLOPs are the first compile's.
+  """
+  m = _compile_and_measure(config, devices)
+  policy = config.model.remat_policy
+  if m.backend == "cpu" and policy.endswith("_offload"):
+    full = copy.deepcopy(config)
+    full.model.remat_policy = "full"
+    device_side = _compile_and_measure(full, devices)
+    m.act_host = max(0, m.temp - device_side.temp)
+    m.temp = min(m.temp, device_side.temp)
+    m.compile_s += device_side.compile_s
+    m.remat_note = (f"{policy}: XLA:CPU does not place buffers in host memory; device "
+                    f"temporaries taken from a compile with remat 'full', the rest counted as "
+                    f"offloaded to host (estimate)")
+  return m
+
+
+def _compile_and_measure(config, devices) -> Measurement:
+  backend = devices[0].platform
+  mesh_shape = validate(config, len(devices), "gpu" if backend == "cpu" else backend)
+  mesh = make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor, devices=devices)
+  model_cfg, attention_note = modelled_model_config(config, backend)
+  graphdef, abstract_params, param_shardings = abstract_model(model_cfg, mesh)
+  tx = optim.make_optimizer(config)
+  shardings = state_shardings(tx, abstract_params, param_shardings, mesh)
+  step = make_train_step(graphdef, tx, optim.learning_rate_schedule(config),
+                         grad_accum_steps=config.train.grad_accum_steps,
+                         loss_chunk_size=config.train.loss_chunk_size,
+                         param_shardings=param_shardings)
+  train_step = jit_train_step(step, shardings, mesh)
+
+  # The state the trainer's init produces, as shapes only.
+  state_shapes = jax.eval_shape(
+      lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p),
+                           bad_streak=jnp.zeros((), jnp.int32)), abstract_params)
+  abstract_state = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state_shapes, shardings)
+  b, t = config.train.global_batch_size, config.train.seq_len
+  abstract_batch = {
+      k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "loss_mask" else jnp.int32,
+                              sharding=batch_sharding(mesh)) for k in BATCH_KEYS}
+
+  start = time.perf_counter()
+  with jax.set_mesh(mesh):
+    lowered = train_step.lower(abstract_state, abstract_batch)
+    compiled = lowered.compile(_CPU_COMPILE_OPTIONS if backend == "cpu" else None)
+  compile_s = time.perf_counter() - start
+
+  opt_leaves = zip(jax.tree.leaves(state_shapes.opt_state), jax.tree.leaves(shardings.opt_state))
+  opt_device = opt_host = 0
+  for a, s in opt_leaves:
+    if s.memory_kind in HOST_MEMORY_KINDS:
+      opt_host += _shard_bytes(a, s)
+    else:
+      opt_device += _shard_bytes(a, s)
+  param_shards = [
+      ParamShard(jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value"),
+                 tuple(a.shape),
+                 str(a.dtype), str(s.spec), _shard_bytes(a, s))
+      for (path, a), s in zip(jax.tree_util.tree_leaves_with_path(abstract_params),
+                              jax.tree.leaves(param_shardings))]
+  memory = compiled.memory_analysis()
+  counted = hlo_flops.count(compiled.as_text())
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return Measurement(
+      num_devices=len(devices), backend=backend, mesh=mesh_shape, model_cfg=model_cfg,
+      params=sum(p.device_bytes for p in param_shards), opt_device=opt_device,
+      opt_host=opt_host,
+      batch=sum(_shard_bytes(x, x.sharding) for x in abstract_batch.values()),
+      temp=int(memory.temp_size_in_bytes),
+      outputs=max(0, int(memory.output_size_in_bytes) - int(memory.alias_size_in_bytes)),
+      compiler_arguments=int(memory.argument_size_in_bytes),
+      flops=counted.flops, xla_flops=float(cost.get("flops", np.nan)),
+      loops_without_trip_count=counted.loops_without_trip_count, compile_s=compile_s,
+      param_shards=param_shards, attention_note=attention_note)
+
+
+def analytic_flops_per_step(config) -> float:
+  """metrics.flops_per_step: 6 * N_matmul + 6 * L * T * H * E per token, times the tokens."""
+  return metrics.flops_per_step(config.model, config.train.seq_len,
+                                config.train.global_batch_size)

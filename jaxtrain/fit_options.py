@@ -1,0 +1,254 @@
+"""Config changes that shrink a train step's per-device memory, each with its measured effect.
+
+For a config that does not fit, the dry run lists, cheapest in throughput first:
+
+  optim.state_dtype=bfloat16   Adam moments in half the bytes                        (exact)
+  train.grad_accum_steps       per-device microbatch 1, same global batch            (compiled)
+    ... with the two optimizer options below on top                                 (compiled)
+  optim.offload_state=True     optimizer state in pinned host memory                 (exact)
+  model.remat_policy=*_offload what the policy saves, kept in host memory            (estimate)
+  model.remat_policy=full      save only layer inputs, recompute the rest            (compiled)
+  all of the above together                                                           (compiled)
+  ... with mesh.tensor=8       attention and MLP activations split 8 ways            (compiled)
+  more devices (fsdp)          params and optimizer state split further              (estimate)
+
+"exact" options change only bytes the dry run knows exactly (optimizer state); "compiled" ones
+are compiled like the base config (with exact optimizer bytes on top); estimates say how they
+were derived. The per-accelerator summary then names the first option in this order that fits.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from jaxtrain import accelerators, aot
+from jaxtrain.accelerators import format_bytes
+
+_OFFLOADABLE = ("minimal", "save_dots", "save_qkv_proj")
+
+
+@dataclasses.dataclass
+class Option:
+  overrides: dict[str, object]  # config key -> value, or {} for more devices
+  label: str  # as typed on the command line
+  effect: str
+  total: float  # device bytes per device
+  how: str  # "exact" | "compiled" | "estimate"
+  flops: float | None = None  # per device per step, when compiled
+  # accelerator name -> (largest microbatch predicted to fit, its train.grad_accum_steps)
+  microbatch_fit: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+
+def _with(config, overrides: dict[str, object]):
+  changed = copy.deepcopy(config)
+  for key, value in overrides.items():
+    group, name = key.split(".")
+    changed[group][name] = value
+  return changed
+
+
+def _microbatch(config, base: aot.Measurement) -> int:
+  t = config.train
+  return t.global_batch_size // (base.mesh.batch_shards * t.grad_accum_steps)
+
+
+def options(config, devices, base: aot.Measurement,
+            table=accelerators.ACCELERATORS) -> list[Option]:
+  """Memory-saving changes to `config`, compiling on `devices` those that need a compile."""
+  found: list[Option] = []
+  o, t = config.optim, config.train
+  policy = config.model.remat_policy
+  moments = base.opt_device  # optimizer state in device memory (moments and step counts)
+
+  if o.state_dtype == "float32" and not o.offload_state:
+    found.append(Option({"optim.state_dtype": "bfloat16"}, "optim.state_dtype=bfloat16",
+                        f"Adam moments in bfloat16: -{format_bytes(moments / 2)}",
+                        base.total - moments / 2, "exact"))
+
+  microbatch = _microbatch(config, base)
+  small = None
+  if microbatch > 1:
+    accum = t.grad_accum_steps * microbatch
+    overrides = {"train.grad_accum_steps": accum}
+    small = aot.measure(_with(config, overrides), devices)
+    found.append(Option(overrides, f"train.grad_accum_steps={accum}",
+                        f"per-device microbatch {microbatch} -> 1, same global batch",
+                        small.total, "compiled", small.flops,
+                        _largest_microbatch(base, small, microbatch, t.grad_accum_steps,
+                                            table)))
+    # The optimizer-state options on top: exact bytes off the compiled microbatch-1 step.
+    lean = dict(overrides)
+    if o.state_dtype == "float32" and not o.offload_state:
+      lean["optim.state_dtype"] = "bfloat16"
+      found.append(Option(lean, _label(lean), "microbatch 1, bfloat16 moments",
+                          _without_optimizer_bytes(small, lean), "compiled", small.flops))
+    if not o.offload_state:
+      lean = {**lean, "optim.offload_state": True}
+      found.append(Option(lean, _label(lean), "microbatch 1, moments in pinned host memory",
+                          _without_optimizer_bytes(small, lean), "compiled", small.flops))
+
+  if not o.offload_state:
+    found.append(Option({"optim.offload_state": True}, "optim.offload_state=True",
+                        f"{format_bytes(moments)} of optimizer state to pinned host memory",
+                        base.total - moments, "exact"))
+
+  full = None
+  if policy != "full":
+    overrides = {"model.remat_policy": "full"}
+    full = aot.measure(_with(config, overrides), devices)
+    if policy in _OFFLOADABLE:
+      moved = max(0, base.temp - full.temp)
+      found.append(Option(
+          {"model.remat_policy": f"{policy}_offload"}, f"model.remat_policy={policy}_offload",
+          f"~{format_bytes(moved)} of saved activations to host memory, compute as {policy}; "
+          f"device side as with 'full'", base.total - moved, "estimate", base.flops))
+    found.append(Option(overrides, "model.remat_policy=full",
+                        f"recompute each layer in the backward pass: FLOPs x"
+                        f"{full.flops / base.flops:.2f}", full.total, "compiled", full.flops))
+
+  if len([x for x in found if x.overrides]) > 1:
+    # Every option but the offload remat policy (an estimate, and full remat supersedes it).
+    overrides: dict[str, object] = {}
+    for option in found:
+      if not str(option.overrides.get("model.remat_policy", "")).endswith("_offload"):
+        overrides.update(option.overrides)
+    compiled = _compiled_keys(overrides)
+    # Reuse a compile above when the combination changes only what it changed.
+    done = {"": base, _label({"model.remat_policy": "full"}): full,
+            _label({"train.grad_accum_steps": t.grad_accum_steps * microbatch}): small}
+    combined = done.get(_label(compiled)) or aot.measure(_with(config, compiled), devices)
+    found.append(Option(overrides, _label(overrides), "all of the above together",
+                        _without_optimizer_bytes(combined, overrides),
+                        "compiled" if compiled else "exact", combined.flops))
+
+  if found and not _fits_all(min(x.total for x in found), table):
+    tensor = _tensor_parallel(config, devices, base, found[-1])
+    if tensor is not None:
+      found.append(tensor)
+  found.extend(_more_devices(config, base, found, table))
+  return found
+
+
+def _compiled_keys(overrides: dict[str, object]) -> dict[str, object]:
+  """The overrides that change the compiled program; optimizer-state ones are exact arithmetic."""
+  return {k: v for k, v in overrides.items() if not k.startswith("optim.")}
+
+
+def _without_optimizer_bytes(m: aot.Measurement, overrides: dict[str, object]) -> float:
+  """Device total of `m` with the optimizer-state overrides applied (exact bytes)."""
+  if overrides.get("optim.offload_state"):
+    return m.total - m.opt_device
+  if overrides.get("optim.state_dtype") == "bfloat16":
+    return m.total - m.opt_device / 2
+  return m.total
+
+
+def _label(overrides: dict[str, object]) -> str:
+  return " ".join(f"--config.{k}={v}" if len(overrides) > 1 else f"{k}={v}"
+                  for k, v in overrides.items())
+
+
+def _fits_all(total: float, table) -> bool:
+  return all(accelerators.verdict(a, total).fits for a in table)
+
+
+def _tensor_parallel(config, devices, base: aot.Measurement, best: Option,
+                     tensor: int = 8) -> Option | None:
+  """`best` with 8-way tensor parallelism carved out of the fsdp axis, per-device microbatch
+  kept: attention and MLP activations split 8 ways (the residual stream stays whole)."""
+  m, mesh, t = config.model, base.mesh, config.train
+  dims = (m.num_heads, m.num_kv_heads, m.mlp_dim, m.vocab_size)
+  if mesh.tensor != 1 or mesh.fsdp % tensor or any(d % tensor for d in dims):
+    return None
+  accum = best.overrides.get("train.grad_accum_steps", t.grad_accum_steps)
+  microbatch = t.global_batch_size // (mesh.batch_shards * accum)
+  shards = mesh.batch_shards // tensor
+  if t.global_batch_size % (shards * microbatch):
+    return None
+  overrides = {**best.overrides, "mesh.data": mesh.data, "mesh.fsdp": mesh.fsdp // tensor,
+               "mesh.tensor": tensor,
+               "train.grad_accum_steps": t.global_batch_size // (shards * microbatch)}
+  measured = aot.measure(_with(config, _compiled_keys(overrides)), devices)
+  return Option(overrides, _label(overrides),
+                f"the above with tensor parallelism {tensor} (microbatch {microbatch} kept)",
+                _without_optimizer_bytes(measured, overrides), "compiled", measured.flops)
+
+
+def _largest_microbatch(base: aot.Measurement, small: aot.Measurement, microbatch: int,
+                        accum: int, table) -> dict[str, tuple[int, int]]:
+  """Per accelerator, the largest microbatch (a divisor of the current one) predicted to fit.
+
+  Memory is close to linear in the microbatch (activations) plus a constant (weights, optimizer
+  state, gradients); the two compiles (microbatch 1 and the current one) fix the line.
+  """
+  fit = {}
+  for accelerator in table:
+    best = 0
+    for mb in range(1, microbatch):
+      if microbatch % mb:
+        continue
+      total = small.total + (base.total - small.total) * (mb - 1) / (microbatch - 1)
+      if accelerators.verdict(accelerator, total).fits:
+        best = mb
+    if best:
+      fit[accelerator.name] = (best, accum * microbatch // best)
+  return fit
+
+
+def _more_devices(config, base: aot.Measurement, found: list[Option], table) -> list[Option]:
+  """More devices in the fsdp axis, on top of the smallest option, for the accelerators that
+  nothing above fits: parameter and optimizer bytes divide by the factor; the per-device
+  microbatch is kept (the global batch grows with the devices)."""
+  best = min(found, key=lambda x: x.total) if found else None
+  smallest = best.total if best else base.total
+  if _fits_all(smallest, table):
+    return []
+  overrides = best.overrides if best else {}
+  opt_bytes = 0 if overrides.get("optim.offload_state") else base.opt_device
+  if overrides.get("optim.state_dtype") == "bfloat16":
+    opt_bytes /= 2
+  state = base.params + opt_bytes
+  result = []
+  for factor in (2, 4, 8):
+    fsdp = int(overrides.get("mesh.fsdp", base.mesh.fsdp)) * factor
+    if config.model.d_model % fsdp:
+      break
+    scaled = {**overrides, "mesh.fsdp": fsdp}
+    result.append(Option({}, f"--dry_run_devices={base.num_devices * factor} {_label(scaled)}",
+                         f"params + optimizer state / {factor}; run it to measure",
+                         smallest - state + state / factor, "estimate"))
+  return result
+
+
+def describe(found: list[Option], base: aot.Measurement, verdicts, table) -> list[str]:
+  """One line per option (total, what fits), then the cheapest fix per accelerator."""
+  lines = []
+  for option in found:
+    fits = [a.name for a in table if accelerators.verdict(a, option.total).fits]
+    lines.append(f"  {option.label}")
+    lines.append(f"      {format_bytes(option.total):>11}  {option.how:<8}  {option.effect}")
+    lines.append(f"      fits: {', '.join(fits) if fits else 'none of the table'}")
+    if option.microbatch_fit:
+      per = ", ".join(f"{k} {mb}" for k, (mb, _) in option.microbatch_fit.items())
+      lines.append(f"      largest microbatch that fits (interpolated): {per}")
+  lines.append("")
+  lines.append("cheapest change that fits, per accelerator (in the order above):")
+  for v in verdicts:
+    if v.fits:
+      continue
+    pick = next((x for x in found if accelerators.verdict(v.accelerator, x.total).fits), None)
+    if pick is None:
+      activations = min(x.total for x in found) if found else base.total
+      lines.append(f"  {v.accelerator.name:<12} none of these (the smallest needs "
+                   f"{format_bytes(activations)}, most of it activations): shorten "
+                   f"train.seq_len")
+    elif v.accelerator.name in pick.microbatch_fit:
+      mb, accum = pick.microbatch_fit[v.accelerator.name]
+      how = "; interpolated between the two compiles" if mb > 1 else ""
+      lines.append(f"  {v.accelerator.name:<12} train.grad_accum_steps={accum} (microbatch "
+                   f"{mb}{how})")
+    else:
+      lines.append(f"  {v.accelerator.name:<12} {pick.label} ({format_bytes(pick.total)}, "
+                   f"{pick.how})")
+  return lines

@@ -1,0 +1,192 @@
+"""Sampling from a model with a KV cache: `python -m jaxtrain.generate --checkpoint=... --prompt=...`.
+
+For eyeballing a model (the demo, a fine-tuned checkpoint, an imported Hugging Face model), not
+for serving. The prompt is run once through every layer (prefill), writing each layer's keys
+and values into a cache of `prompt + max_new_tokens` positions; each new token then costs one
+position's worth of compute against the cache (decode). The whole loop is one jitted
+`lax.fori_loop`. Greedy decoding at temperature 0; otherwise temperature and nucleus (top-p)
+sampling with an explicit seed, so a run is reproducible.
+
+Batched prompts are right-padded: row b's prompt has `lengths[b]` tokens and its generated
+tokens are written from there on, so rows of different lengths decode side by side. Keys past a
+row's current position are masked, so padding never leaks into attention.
+
+The attention math of a cached step lives here rather than in model.py, which stays the
+training model; it reuses the model's own parameters, norms, MLP and RoPE, and a test checks it
+against the training forward pass token by token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtrain.model import Llama, apply_rope, rope_inv_freq
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  max_new_tokens: int = 64
+  temperature: float = 0.0  # 0: greedy
+  top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+  eos_id: int | None = None  # rows stop (and are padded with it) after emitting it
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+    if self.temperature < 0:
+      raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+
+
+def _attend(attn, x_BCD, positions_BC, cache_k_BSKE, cache_v_BSKE, start_B):
+  """One attention sublayer over C new tokens per row: write their k/v at [start, start+C),
+  attend over every cached key at or before each query's position."""
+  dt = attn.dtype
+  q_BCHE = jnp.einsum("BCD,DHE->BCHE", x_BCD, attn.wq_DHE[...].astype(dt))
+  k_BCKE = jnp.einsum("BCD,DKE->BCKE", x_BCD, attn.wk_DKE[...].astype(dt))
+  v_BCKE = jnp.einsum("BCD,DKE->BCKE", x_BCD, attn.wv_DKE[...].astype(dt))
+  head_dim, theta, scaling = attn.rope
+  inv_freq = rope_inv_freq(head_dim, theta, dict(scaling) if scaling else None)
+  q_BCHE = apply_rope(q_BCHE, positions_BC, inv_freq)
+  k_BCKE = apply_rope(k_BCKE, positions_BC, inv_freq)
+  write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(
+      cache, new.astype(cache.dtype), (start, 0, 0)))
+  cache_k_BSKE = write(cache_k_BSKE, k_BCKE, start_B)
+  cache_v_BSKE = write(cache_v_BSKE, v_BCKE, start_B)
+  b, c, h, e = q_BCHE.shape
+  s, k = cache_k_BSKE.shape[1], cache_k_BSKE.shape[2]
+  q_BCKGE = q_BCHE.reshape(b, c, k, h // k, e)
+  logits_BKGCS = jnp.einsum("BCKGE,BSKE->BKGCS", q_BCKGE, cache_k_BSKE.astype(dt),
+                            preferred_element_type=jnp.float32) * e ** -0.5
+  visible_BCS = jnp.arange(s)[None, None, :] <= positions_BC[:, :, None]
+  logits_BKGCS = jnp.where(visible_BCS[:, None, None], logits_BKGCS, jnp.finfo(jnp.float32).min)
+  probs_BKGCS = jax.nn.softmax(logits_BKGCS, axis=-1).astype(dt)
+  out_BCHE = jnp.einsum("BKGCS,BSKE->BCKGE", probs_BKGCS,
+                        cache_v_BSKE.astype(dt)).reshape(b, c, h, e)
+  out_BCD = jnp.einsum("BCHE,HED->BCD", out_BCHE, attn.wo_HED[...].astype(dt))
+  return out_BCD, cache_k_BSKE, cache_v_BSKE
+
+
+def _block(block, x_BCD, positions_BC, cache_k, cache_v, start_B):
+  out, cache_k, cache_v = _attend(block.attn, block.attn_norm(x_BCD), positions_BC, cache_k,
+                                  cache_v, start_B)
+  x_BCD = x_BCD + out
+  return x_BCD + block.mlp(block.mlp_norm(x_BCD)), cache_k, cache_v
+
+
+def forward_with_cache(model: Llama, tokens_BC, start_B, cache):
+  """(float32 logits [B, C, V], updated cache) for C new tokens per row at positions
+  start_B + [0, C). `cache` is {"k", "v"}: [L, B, S, K, E] each."""
+  cfg = model.cfg
+  positions_BC = start_B[:, None] + jnp.arange(tokens_BC.shape[1], dtype=jnp.int32)[None]
+  x_BCD = jnp.take(model.embed_VD[...].astype(cfg.dtype), tokens_BC, axis=0)
+  if cfg.scan_layers:
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0, 0),
+              transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def run_stack(x_BCD, block, cache_k, cache_v):
+      return _block(block, x_BCD, positions_BC, cache_k, cache_v, start_B)
+
+    x_BCD, new_k, new_v = run_stack(x_BCD, model.layers, cache["k"], cache["v"])
+  else:
+    ks, vs = [], []
+    for i, block in enumerate(model.layers):
+      x_BCD, k_i, v_i = _block(block, x_BCD, positions_BC, cache["k"][i], cache["v"][i], start_B)
+      ks.append(k_i)
+      vs.append(v_i)
+    new_k, new_v = jnp.stack(ks), jnp.stack(vs)
+  x_BCD = model.final_norm(x_BCD)
+  logits_BCV = jnp.einsum("BCD,DV->BCV", x_BCD, model.head_weights(),
+                          preferred_element_type=jnp.float32)
+  return logits_BCV, {"k": new_k, "v": new_v}
+
+
+def empty_cache(model: Llama, batch: int, length: int) -> dict[str, jax.Array]:
+  cfg = model.cfg
+  shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+  return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
+
+
+def sample_token(logits_BV, key, temperature: float, top_p: float) -> jax.Array:
+  """[B] int32: argmax at temperature 0, else a draw from the tempered, top-p-truncated
+  softmax (the smallest set of most likely tokens whose probability reaches top_p)."""
+  if temperature == 0.0:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  logits_BV = logits_BV / temperature
+  if top_p < 1.0:
+    sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    # A token stays if the mass strictly before it is below top_p (so the top one always does).
+    before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    kept = jnp.sum(before_BV < top_p, axis=-1)
+    cutoff_B = jnp.take_along_axis(sorted_BV, (kept - 1)[:, None], axis=-1)
+    logits_BV = jnp.where(logits_BV >= cutoff_B, logits_BV, -jnp.inf)
+  return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(nnx.jit, static_argnames=("sampling",))
+def generate_tokens(model: Llama, prompt_BP, lengths_B, key, sampling: SamplingConfig):
+  """[B, max_new_tokens] int32 continuations of right-padded prompts (row b: first lengths_B[b]
+  tokens). After a row emits `sampling.eos_id` it emits only that id."""
+  b, p = prompt_BP.shape
+  n = sampling.max_new_tokens
+  cache = empty_cache(model, b, p + n)
+  logits_BPV, cache = forward_with_cache(model, prompt_BP, jnp.zeros((b,), jnp.int32), cache)
+  last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  out_BN = jnp.zeros((b, n), jnp.int32)
+  done_B = jnp.zeros((b,), bool)
+  eos = -1 if sampling.eos_id is None else sampling.eos_id
+  # NNX transforms (the layer scan) refuse variables traced at an outer level: the model's
+  # state rides in the loop carry, and the body rebuilds the model from it.
+  graphdef, state = nnx.split(model)
+
+  def body(i, carry):
+    state, cache, last_BV, out_BN, done_B, key = carry
+    key, draw = jax.random.split(key)
+    token_B = sample_token(last_BV, draw, sampling.temperature, sampling.top_p)
+    token_B = jnp.where(done_B, eos, token_B)
+    out_BN = out_BN.at[:, i].set(token_B)
+    done_B = done_B | (token_B == eos)
+    logits_B1V, cache = forward_with_cache(nnx.merge(graphdef, state), token_B[:, None],
+                                           lengths_B + i, cache)
+    return state, cache, logits_B1V[:, 0], out_BN, done_B, key
+
+  carry = (state, cache, last_BV, out_BN, done_B, key)
+  out_BN = jax.lax.fori_loop(0, n, body, carry)[3]
+  return out_BN
+
+
+def generate(model: Llama, prompts: list[np.ndarray], sampling: SamplingConfig,
+             seed: int = 0) -> list[np.ndarray]:
+  """Continuations of token-id prompts (each cut at its first EOS, which is kept)."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("generate needs at least one prompt, each with at least one token (e.g. BOS)")
+  width = max(len(p) for p in prompts)
+  prompt_BP = np.zeros((len(prompts), width), np.int32)
+  for i, p in enumerate(prompts):
+    prompt_BP[i, :len(p)] = p
+  lengths_B = np.array([len(p) for p in prompts], np.int32)
+  out_BN = np.asarray(generate_tokens(model, jnp.asarray(prompt_BP), jnp.asarray(lengths_B),
+                                      jax.random.key(seed), sampling))
+  results = []
+  for row in out_BN:
+    if sampling.eos_id is not None and (row == sampling.eos_id).any():
+      row = row[:int(np.argmax(row == sampling.eos_id)) + 1]
+    results.append(row)
+  return results
+
+
+def _main_entry() -> Any:
+  from jaxtrain import generate_cli  # pylint: disable=import-outside-toplevel
+  return generate_cli.run()
+
+
+if __name__ == "__main__":
+  _main_entry()

@@ -1,0 +1,323 @@
+"""Dry run (AOT compile on abstract inputs), remat policies, optimizer-state dtype and offload."""
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxtrain import accelerators, aot, dry_run, fit_options, hlo_flops
+from jaxtrain import config as config_lib
+from jaxtrain.attention import xla_attention
+from jaxtrain.blockwise_attention import blockwise_attention
+from jaxtrain.config import ConfigError, validate
+from jaxtrain.model import ModelConfig, remat_policy
+from jaxtrain.optim import learning_rate_schedule, make_optimizer, weight_decay_mask
+from jaxtrain.sharding import abstract_model, init_params
+from jaxtrain.train_step import loss_sum_fn
+from jaxtrain.trainer import build, init_state, to_global_batch
+from tests.helpers import mesh_of, packed_batch, small_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAST_LINE = re.compile(r"^dry_run: devices=(\d+) params_gib=(\S+) opt_gib=(\S+) temp_gib=(\S+) "
+                       r"total_gib=(\S+)$")
+# An accelerator nothing fits on, and one everything small fits on.
+TABLE = (accelerators.Accelerator("Tiny 1KiB", "gpu", 2.0 ** -20),
+         accelerators.Accelerator("H100 80GB", "gpu", 80.0))
+
+
+def _dry_config(fsdp=2):
+  """Small model, remat 'full' and microbatch 1, so the suggestions need no extra compile."""
+  c = small_config(remat_policy="full")
+  c.mesh.fsdp = fsdp
+  c.train.global_batch_size = fsdp
+  return c
+
+
+def _exact_param_bytes(config, mesh_shape):
+  _, abstract, shardings = abstract_model(ModelConfig.from_config(config), mesh_of(mesh_shape))
+  return sum(int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
+             for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
+
+
+@pytest.fixture(scope="module")
+def fsdp2():
+  lines = []
+  result = dry_run.run(_dry_config(2), jax.devices()[:2], "small", out=lines.append, table=TABLE)
+  return result, lines
+
+
+def test_last_line_is_machine_readable_and_params_are_exact(fsdp2):
+  result, lines = fsdp2
+  assert lines[-1] == result.last_line
+  match = LAST_LINE.match(lines[-1])
+  assert match, lines[-1]
+  devices, params, opt, temp, total = match.groups()
+  assert int(devices) == 2
+  exact = _exact_param_bytes(_dry_config(2), (1, 2, 1))
+  assert result.base.params == exact
+  assert float(params) == pytest.approx(exact / 2**30, rel=1e-5)
+  assert float(opt) == pytest.approx(result.base.opt_device / 2**30, rel=1e-5)
+  assert float(temp) > 0 and float(total) > float(params) + float(opt) + float(temp) * 0.999
+  # Adam's two float32 moments (+ scalar step counts) are exactly twice the params.
+  assert 2 * exact <= result.base.opt_device < 2 * exact + 64
+  # The compiler's argument bytes agree with the exact ones (+ the 2 int32 state scalars).
+  assert result.base.compiler_arguments == (result.base.params + result.base.opt_device
+                                            + result.base.batch + 8)
+  text = "\n".join(lines)
+  assert "ESTIMATE for accelerators" in text
+  assert "compute bfloat16" in text  # model.dtype="auto" modelled as on an accelerator
+  assert "layers.mlp.w_up_DF" in text and "P(None, 'fsdp', 'tensor')" in text
+
+
+def test_param_bytes_halve_when_fsdp_doubles(fsdp2):
+  base2 = fsdp2[0].base
+  base4 = aot.measure(_dry_config(4), jax.devices()[:4])
+  assert base4.params == _exact_param_bytes(_dry_config(4), (1, 4, 1))
+  # Everything but the tiny replicated norm scales halves.
+  assert base2.params / base4.params == pytest.approx(2.0, rel=0.03)
+  assert base4.temp > 0 and base4.flops > 0
+
+
+def test_a_config_that_does_not_fit_gets_suggestions(fsdp2):
+  result, lines = fsdp2
+  verdicts = {v.accelerator.name: v for v in result.verdicts}
+  assert verdicts["Tiny 1KiB"].status == "does not fit"
+  assert verdicts["H100 80GB"].fits
+  labels = [o.label for o in result.options]
+  assert "optim.state_dtype=bfloat16" in labels and "optim.offload_state=True" in labels
+  assert any(label.startswith("--dry_run_devices=4") for label in labels)
+  by_label = {o.label: o for o in result.options}
+  saved = result.base.total - by_label["optim.offload_state=True"].total
+  assert saved == result.base.opt_device
+  text = "\n".join(lines)
+  assert "suggestions:" in text and "Tiny 1KiB" in text.split("cheapest change")[1]
+
+
+def _measurement(temp_gib):
+  return aot.Measurement(
+      num_devices=1, backend="cpu", mesh=None, model_cfg=None, params=0, opt_device=0,
+      opt_host=0, batch=0, temp=int(temp_gib * 2**30), outputs=0, compiler_arguments=0,
+      flops=0.0, xla_flops=0.0, loops_without_trip_count=0, compile_s=0.0, param_shards=[],
+      attention_note="")
+
+
+def test_microbatch_suggestion_interpolates_between_compiles():
+  """Memory is taken as linear in the microbatch between the two compiled points."""
+  base, small = _measurement(17), _measurement(2)  # microbatch 16 and 1: 1 GiB per sequence
+  table = (accelerators.Accelerator("A", "gpu", 10.0),)  # 9 GiB usable: microbatch <= 8
+  assert fit_options._largest_microbatch(base, small, 16, 1, table) == {"A": (8, 2)}
+
+
+def test_remat_policy_names_are_validated():
+  config = small_config(remat_policy="minimal_offlaod")
+  with pytest.raises(ConfigError) as err:
+    validate(config, 1)
+  message = str(err.value)
+  assert "model.remat_policy='minimal_offlaod'" in message and "minimal_offload" in message
+  for name in config_lib.REMAT_POLICIES:  # every accepted name is a policy the model knows
+    validate(small_config(remat_policy=name), 1)
+    remat_policy(name)
+
+
+def test_offload_needs_pinned_host_memory(monkeypatch):
+  monkeypatch.setattr(config_lib, "host_memory_kinds", lambda platform: {"device"})
+  for key, value in (("model.remat_policy", "save_dots_offload"), ("optim.offload_state", True)):
+    config = small_config()
+    group, name = key.split(".")
+    config[group][name] = value
+    with pytest.raises(ConfigError, match="no pinned_host memory"):
+      validate(config, 1)
+
+
+def test_optimizer_state_dtype():
+  config = small_config()
+  config.optim.warmup_steps = 0
+  params = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32),
+            "final_norm": {"scale": jnp.ones(4)}}
+  grads = jax.tree.map(lambda p: 0.01 * jnp.ones_like(p), params)
+  # float32 moments: the same numbers as optax.adamw.
+  o = config.optim
+  reference = optax.chain(optax.clip_by_global_norm(o.grad_clip_norm),
+                          optax.adamw(learning_rate_schedule(config), b1=o.b1, b2=o.b2, eps=o.eps,
+                                      weight_decay=o.weight_decay, mask=weight_decay_mask))
+  tx = make_optimizer(config)
+  ours, _ = tx.update(grads, tx.init(params), params)
+  theirs, _ = reference.update(grads, reference.init(params), params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), ours, theirs)
+  assert jax.tree.structure(tx.init(params)) == jax.tree.structure(reference.init(params))
+  # bfloat16 moments stay bfloat16 through updates; params and updates keep their dtype.
+  config.optim.state_dtype = "bfloat16"
+  tx = make_optimizer(config)
+  state = tx.init(params)
+  updates, state = tx.update(grads, state, params)
+  adam = state[1][0]
+  assert {x.dtype for x in jax.tree.leaves((adam.mu, adam.nu))} == {jnp.dtype(jnp.bfloat16)}
+  assert {x.dtype for x in jax.tree.leaves(updates)} == {jnp.dtype(jnp.float32)}
+  config.optim.state_dtype = "float16"
+  with pytest.raises(ConfigError, match="optim.state_dtype='float16'"):
+    validate(config, 1)
+
+
+def test_compute_dtype_auto():
+  assert config_lib.resolve_compute_dtype("auto", "cpu") == "float32"
+  assert config_lib.resolve_compute_dtype("auto", "tpu") == "bfloat16"
+  config = small_config()
+  assert config.model.dtype == "auto"
+  assert ModelConfig.from_config(config).dtype == "float32"  # this backend is the CPU
+  assert ModelConfig.from_config(config, platform="gpu").dtype == "bfloat16"
+
+
+def test_optimizer_state_offload_on_cpu():
+  """XLA:CPU has pinned_host memory: the state lives there and training is unchanged."""
+  config = small_config()
+  mesh = mesh_of((1, 1, 1))
+  plain = build(config, mesh)
+  config.optim.offload_state = True
+  offload = build(config, mesh)
+  assert {s.memory_kind for s in jax.tree.leaves(offload.shardings.params)} == {"device"}
+  state = init_state(plain, 0)
+  batch = to_global_batch(packed_batch(8, 32, 128), mesh)
+  with jax.set_mesh(mesh):
+    # A second init (compiled once) rather than the same buffers: both steps donate their state.
+    moved = jax.device_put(init_state(plain, 0), offload.shardings)
+    want, want_metrics = plain.train_step(state, batch)
+    got, got_metrics = offload.train_step(moved, batch)
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(got.opt_state) if x.ndim}
+  assert kinds == {"pinned_host"}
+  assert float(got_metrics["loss"]) == float(want_metrics["loss"])
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               (got.params, got.opt_state), (want.params, want.opt_state))
+  # The dry run counts it as host memory, not device memory.
+  measured = aot.measure(config, jax.devices()[:1])
+  assert measured.opt_device < 64 and measured.opt_host >= 2 * measured.params - 64
+
+
+def test_offload_remat_policies_give_the_same_grads():
+  """On CPU the offload annotations compile and run; values equal the base policy's."""
+  batch = packed_batch(4, 32, 128)
+  mesh = mesh_of((1, 1, 1))
+  _, params = init_params(ModelConfig.from_config(small_config()), mesh, seed=0)
+  results = {}
+  for policy in ("minimal", "minimal_offload", "save_dots_offload", "save_qkv_proj_offload"):
+    graphdef, _, _ = abstract_model(ModelConfig.from_config(small_config(remat_policy=policy)),
+                                    mesh)
+    grad = jax.jit(jax.value_and_grad(
+        lambda p, graphdef=graphdef: loss_sum_fn(p, graphdef, batch, 16)[0]))
+    results[policy] = jax.tree.map(np.asarray, grad(params))
+  for result in results.values():
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), result,
+                 results["minimal"])
+
+
+@pytest.mark.parametrize("segments,block", [(False, 16), (True, 16), (True, 40), (True, 512)])
+def test_blockwise_attention_matches_xla(segments, block):
+  rng = np.random.default_rng(0)
+  b, t, h, k, e = 2, 40, 4, 2, 8
+  q = jnp.asarray(rng.normal(size=(b, t, h, e)), jnp.float32)
+  kk = jnp.asarray(rng.normal(size=(b, t, k, e)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(b, t, k, e)), jnp.float32)
+  seg = None
+  if segments:
+    seg = np.ones((b, t), np.int32)
+    seg[0, 15:], seg[1, 30:] = 2, 0  # two documents; padding
+    seg = jnp.asarray(seg)
+  w = jnp.asarray(rng.normal(size=(b, t, h, e)), jnp.float32)
+
+  def loss(fn):
+    return lambda q, kk, v: jnp.sum(fn(q, kk, v, seg) * w)
+  blockwise = lambda *x: blockwise_attention(*x, block=block)
+  np.testing.assert_allclose(jax.jit(blockwise)(q, kk, v, seg), xla_attention(q, kk, v, seg),
+                             atol=2e-6)
+  got = jax.jit(jax.grad(loss(blockwise), argnums=(0, 1, 2)))(q, kk, v)
+  want = jax.jit(jax.grad(loss(xla_attention), argnums=(0, 1, 2)))(q, kk, v)
+  for g, w_ in zip(got, want):
+    np.testing.assert_allclose(g, w_, atol=5e-6)
+
+
+def test_blockwise_attention_in_the_model_under_remat():
+  """The dry run's stand-in for fused attention: same loss and grads as XLA attention under
+  remat policies."""
+  batch = packed_batch(2, 32, 128)
+  mesh = mesh_of((1, 1, 1))
+  base = ModelConfig.from_config(small_config())
+  _, params = init_params(base, mesh, seed=0)
+  results = []
+  for impl, policy in (("xla", "minimal"), ("blockwise", "minimal"), ("blockwise", "save_dots")):
+    graphdef, _, _ = abstract_model(
+        dataclasses.replace(base, attention_impl=impl, remat_policy=policy), mesh)
+    grad = jax.jit(jax.value_and_grad(
+        lambda p, graphdef=graphdef: loss_sum_fn(p, graphdef, batch, 16)[0]))
+    results.append(jax.tree.map(np.asarray, grad(params)))
+  for result in results[1:]:
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), result,
+                 results[0])
+
+
+def test_blockwise_attention_is_opaque_to_remat_policies(capsys):
+  """Like a fused kernel, its inner matmuls are never saved, even by save_dots."""
+  q, kv = jnp.ones((1, 64, 4, 8)), jnp.ones((1, 64, 2, 8))
+  f = jax.checkpoint(lambda q, k, v: jnp.sum(blockwise_attention(q, k, v, block=16)),
+                     policy=jax.checkpoint_policies.dots_saveable)
+  jax.ad_checkpoint.print_saved_residuals(f, q, kv, kv)
+  saved = capsys.readouterr().out.strip().splitlines()
+  assert len(saved) == 3 and all("from the argument" in line for line in saved), saved
+
+
+def test_hlo_flops_count_every_loop_iteration():
+  """XLA's cost_analysis counts a scan body once; hlo_flops multiplies by the trip count."""
+  def f(w_LDD, x_BD):
+    def body(x_BD, w_DD):
+      return jnp.tanh(x_BD @ w_DD), None
+    return jax.lax.scan(body, x_BD, w_LDD)[0]
+  layers, b, d = 6, 16, 32
+  compiled = jax.jit(f).lower(jax.ShapeDtypeStruct((layers, d, d), jnp.float32),
+                              jax.ShapeDtypeStruct((b, d), jnp.float32)).compile()
+  counted = hlo_flops.count(compiled.as_text())
+  assert counted.flops == layers * 2 * b * d * d
+  assert counted.loops == 1 and counted.loops_without_trip_count == 0
+
+
+def _cli(*args, env_devices=None):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env["JAX_PLATFORMS"] = "cpu"
+  return subprocess.run([sys.executable, "-m", "jaxtrain.main", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_cli_reruns_itself_with_emulated_devices():
+  proc = _cli("--config=configs/tiny.py", "--dry_run", "--dry_run_devices=2")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.strip().splitlines()
+  assert "re-running with 2 emulated CPU devices" in lines[0]
+  match = LAST_LINE.match(lines[-1])
+  assert match and match.group(1) == "2", lines[-1]
+
+
+def test_cli_config_error_is_one_line_exit_2():
+  proc = _cli("--config=configs/tiny.py", "--dry_run", "--dry_run_devices=2",
+              "--config.model.remat_policy=everything_offload")
+  assert proc.returncode == 2
+  assert proc.stderr.strip().startswith("config error: model.remat_policy='everything_offload'")
+  assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_llama8b_on_8_devices():
+  """The full-size path: llama8b at microbatch 1 with full remat, 8 emulated devices."""
+  proc = _cli("--config=configs/llama8b.py", "--dry_run", "--dry_run_devices=8",
+              "--config.train.grad_accum_steps=32", "--config.model.remat_policy=full")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  match = LAST_LINE.match(proc.stdout.strip().splitlines()[-1])
+  assert match and match.group(1) == "8"
+  params_gib = float(match.group(2))
+  assert params_gib == pytest.approx(8.03e9 * 4 / 8 / 2**30, rel=0.01)
+  assert float(match.group(3)) == pytest.approx(2 * params_gib, rel=0.001)
+  assert "H100 80GB" in proc.stdout
