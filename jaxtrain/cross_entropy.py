@@ -37,10 +37,21 @@ def _chunked(x_BTD, targets_BT, mask_BT, c: int):
   return x_NBCD, targets_NBC, mask_NBC
 
 
+def _flat(x_BCX):
+  return x_BCX.reshape(-1, x_BCX.shape[-1])
+
+
+def _head(x_BCD, w_DV):
+  """float32 logits [B, C, V]. Matmuls here run on tokens flattened to one dim: the weight
+  gradient then contracts one dim, not two, which XLA:CPU runs as a single GEMM."""
+  b, c, _ = x_BCD.shape
+  logits_BCV = jnp.dot(_flat(x_BCD), w_DV, preferred_element_type=jnp.float32).reshape(b, c, -1)
+  return shard(logits_BCV, ("act_batch", "act_length", "act_vocab"))
+
+
 def _chunk_loss(x_BCD, w_DV, targets_BC, mask_BC):
   """(summed masked loss of the chunk, its float32 logits, their log-sum-exp)."""
-  logits_BCV = jnp.einsum("BCD,DV->BCV", x_BCD, w_DV, preferred_element_type=jnp.float32)
-  logits_BCV = shard(logits_BCV, ("act_batch", "act_length", "act_vocab"))
+  logits_BCV = _head(x_BCD, w_DV)
   lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
   # A one-hot contraction rather than a gather: it stays local when V is sharded.
   onehot_BCV = jax.nn.one_hot(targets_BC, w_DV.shape[1], dtype=jnp.float32)
@@ -74,10 +85,10 @@ def _fwd(x_BTD, w_DV, targets_BT, mask_BT, chunk_size):
     x_BCD, targets_BC, mask_BC = xs
     loss, logits_BCV, lse_BC, onehot_BCV = _chunk_loss(x_BCD, w_DV, targets_BC, mask_BC)
     dlogits_BCV = (jnp.exp(logits_BCV - lse_BC[..., None]) - onehot_BCV) * mask_BC[..., None]
-    dx_BCD = jnp.einsum("BCV,DV->BCD", dlogits_BCV.astype(w_DV.dtype), w_DV,
-                        preferred_element_type=jnp.float32)
-    dw_DV = dw_DV + jnp.einsum("BCD,BCV->DV", x_BCD, dlogits_BCV.astype(x_BCD.dtype),
-                               preferred_element_type=jnp.float32)
+    dx_BCD = jnp.dot(_flat(dlogits_BCV).astype(w_DV.dtype), w_DV.T,
+                     preferred_element_type=jnp.float32).reshape(x_BCD.shape)
+    dw_DV = dw_DV + jnp.dot(_flat(x_BCD).T, _flat(dlogits_BCV).astype(x_BCD.dtype),
+                            preferred_element_type=jnp.float32)
     # The accumulator keeps the head's own sharding (vocab over tensor, embed over fsdp), so
     # no device ever holds a whole float32 [D, V].
     dw_DV = shard(dw_DV, ("embed", "vocab"))
@@ -117,8 +128,7 @@ def sequence_cross_entropy(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
 
   @jax.checkpoint
   def chunk_rows(x_BCD, targets_BC, mask_BC):
-    logits_BCV = jnp.einsum("BCD,DV->BCV", x_BCD, w_DV, preferred_element_type=jnp.float32)
-    logits_BCV = shard(logits_BCV, ("act_batch", "act_length", "act_vocab"))
+    logits_BCV = _head(x_BCD, w_DV)
     lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
     onehot_BCV = jax.nn.one_hot(targets_BC, w_DV.shape[1], dtype=jnp.float32)
     target_logit_BC = jnp.sum(logits_BCV * onehot_BCV, axis=-1)
