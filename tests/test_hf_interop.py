@@ -423,18 +423,11 @@ def _transformers():
 
 def _random_hf_model(seed, **config):
   """A random LlamaForCausalLM: weights ~ N(0, 0.1), norm weights ~ 1 + N(0, 0.3)."""
-  torch, transformers = _transformers()
-  torch.manual_seed(seed)
+  _transformers()  # skips without torch and transformers
+  from scripts.make_hf_fixtures import random_model  # pylint: disable=import-outside-toplevel
   base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               max_position_embeddings=64, rms_norm_eps=1e-5)
-  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**base, **config})).eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if name.endswith("norm.weight"):
-        p.copy_(1.0 + 0.3 * torch.randn_like(p))
-      else:
-        p.normal_(0.0, 0.1)
-  return model
+  return random_model(seed, **{**base, **config})
 
 
 def _hf_run(model, ids):
