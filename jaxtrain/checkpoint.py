@@ -8,12 +8,14 @@ only after a save finishes).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from typing import Any
 
 import grain
+from absl import logging as absl_logging
 import jax
 import orbax.checkpoint as ocp
 
@@ -116,7 +118,8 @@ def load_params(path: str, abstract_params: Any) -> tuple[Any, str]:
   with the mismatched parameters named."""
   item, subtree = _weights_item(path)
   checkpointer = ocp.PyTreeCheckpointer()
-  saved = checkpointer.metadata(item).item_metadata.tree
+  with _quiet_orbax():  # reading one item of a managed checkpoint: its metadata is a level up
+    saved = checkpointer.metadata(item).item_metadata.tree
   saved = saved[subtree] if subtree else saved
   mismatches = shape_mismatches(saved, abstract_params)
   if mismatches:
@@ -124,10 +127,23 @@ def load_params(path: str, abstract_params: Any) -> tuple[Any, str]:
                       f"model config: {'; '.join(mismatches[:6])}"
                       f"{' ...' if len(mismatches) > 6 else ''}")
   target = {subtree: abstract_params} if subtree else abstract_params
-  restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
-      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-      partial_restore=bool(subtree)))
+  with _quiet_orbax():
+    restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=bool(subtree)))
   return (restored[subtree] if subtree else restored), item
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+  """Orbax warns that a step's metadata file is missing when one item of a CheckpointManager
+  step is read on its own (the file sits in the step directory); the read is still complete."""
+  previous = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.ERROR)
+  try:
+    yield
+  finally:
+    absl_logging.set_verbosity(previous)
 
 
 WEIGHTS_ITEM = "params"
