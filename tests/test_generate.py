@@ -1,6 +1,9 @@
 """KV-cache generation: the cached forward equals the training forward, token by token."""
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxtrain import trainer
+from jaxtrain.checkpoint import save_params
+from jaxtrain.config import load_config_file
 from jaxtrain.generate import SamplingConfig, generate, sample_token
 from jaxtrain.model import ModelConfig
 from jaxtrain.sharding import create_model
@@ -70,3 +76,22 @@ def test_bad_sampling_settings_are_refused():
     SamplingConfig(temperature=-1.0)
   with pytest.raises(ValueError, match="at least one token"):
     generate(_model(), [np.array([], np.int32)], SamplingConfig())
+
+
+@pytest.mark.slow
+def test_cli_continues_prompts_from_a_weights_directory(tmp_path):
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  config = load_config_file(os.path.join(repo, "configs", "tiny.py"))
+  config.mesh.data = config.mesh.fsdp = config.mesh.tensor = 1
+  state = trainer.init_state(trainer.build(config, mesh_of((1, 1, 1))), seed=0)
+  save_params(tmp_path, state.params)
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  run = lambda *args: subprocess.run(
+      [sys.executable, "-m", "jaxtrain.generate", *args], cwd=repo, env=env,
+      capture_output=True, text=True, timeout=300)
+  ok = run(f"--checkpoint={tmp_path}", "--config=configs/tiny.py", "--prompt=def f(",
+           "--prompt=import", "--max_new_tokens=8")
+  assert ok.returncode == 0, ok.stderr[-2000:]
+  assert "--- prompt: 'def f('" in ok.stdout and "--- prompt: 'import'" in ok.stdout
+  bad = run(f"--checkpoint={tmp_path / 'missing'}", "--prompt=x")
+  assert bad.returncode == 2 and "no such directory" in bad.stderr
