@@ -22,6 +22,12 @@ ROPE_SCALING_TYPES = ("none", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 # Adam moments: float16 is refused, its range underflows the second moment of small grads.
 STATE_DTYPES = ("float32", "bfloat16")
+OBJECTIVES = ("lm", "dpo")
+# Projections that can carry LoRA adapters: attention q/k/v/o and the SwiGLU MLP's three.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# Storage of the frozen base weights under LoRA (QLoRA when quantized): int8 and 4-bit codes
+# (int4: uniform levels, nf4: the normal-float levels of QLoRA) with per-group scales.
+BASE_QUANTIZATIONS = ("none", "int8", "int4", "nf4")
 
 
 class ConfigError(ValueError):
@@ -88,6 +94,28 @@ def default_config() -> ml_collections.ConfigDict:
   # A logged loss more than this many standard deviations above its running mean is reported
   # as a spike (console warning, `loss_spikes` in metrics.jsonl); 0 turns the check off.
   c.train.loss_spike_sigmas = 6.0
+  # "lm": next-token cross-entropy on loss-mask tokens (pre-training, and SFT when data.format
+  # marks the prompt out of the loss); "dpo": Direct Preference Optimization on preference
+  # pairs (data.format="preference") against a frozen reference (see the dpo group).
+  c.train.objective = "lm"
+
+  c.dpo = ml_collections.ConfigDict()
+  # Strength of the implicit KL penalty: larger keeps the policy nearer the reference.
+  c.dpo.beta = 0.1
+
+  # Low-rank adapters: rank 0 trains every weight (full fine-tuning); rank > 0 freezes the base
+  # weights and trains only adapters W + (alpha / rank) * A @ B on lora.targets. Only the
+  # adapters are in the optimizer state and in checkpoints; the base comes from
+  # checkpoint.init_from (on every start and resume).
+  c.lora = ml_collections.ConfigDict()
+  c.lora.rank = 0
+  c.lora.alpha = 16.0
+  c.lora.dropout = 0.0  # dropout on the adapter's input, training only
+  c.lora.targets = "q,k,v,o,gate,up,down"  # comma-separated subset of LORA_TARGETS
+  # Frozen base weights stored as "none" (param_dtype), "int8", "int4" or "nf4" (QLoRA),
+  # dequantized layer by layer in the forward pass; needs lora.rank > 0.
+  c.lora.quantize_base = "none"
+  c.lora.quant_group_size = 64  # input-dim elements sharing one scale (int4/nf4/int8)
 
   c.optim = ml_collections.ConfigDict()
   c.optim.learning_rate = 3e-4
@@ -282,6 +310,7 @@ def validate(config, num_devices: int, platform: str = "cpu") -> MeshShape:
     raise ConfigError(f"optim.state_dtype={config.optim.state_dtype!r}: choose one of "
                       f"{', '.join(STATE_DTYPES)}")
   _check_host_memory(config, platform)
+  _check_finetuning(config)
   if m.num_heads % m.num_kv_heads:
     raise ConfigError(f"model.num_kv_heads={m.num_kv_heads}: must divide model.num_heads="
                       f"{m.num_heads} (grouped-query attention); pick a divisor of it")
@@ -333,6 +362,57 @@ def validate(config, num_devices: int, platform: str = "cpu") -> MeshShape:
   if not 0.0 < config.data.eval_fraction < 1.0:
     raise ConfigError(f"data.eval_fraction={config.data.eval_fraction}: must be in (0, 1)")
   return mesh
+
+
+def lora_targets(config) -> tuple[str, ...]:
+  """lora.targets as a tuple of names from LORA_TARGETS, in their canonical order."""
+  names = {n.strip() for n in config.lora.targets.split(",") if n.strip()}
+  return tuple(n for n in LORA_TARGETS if n in names)
+
+
+def _check_finetuning(config):
+  """train.objective, dpo.* and lora.* keys."""
+  objective = config.train.objective
+  if objective not in OBJECTIVES:
+    raise ConfigError(f"train.objective={objective!r}: choose one of {', '.join(OBJECTIVES)}")
+  if objective == "dpo":
+    if config.dpo.beta <= 0:
+      raise ConfigError(f"dpo.beta={config.dpo.beta}: must be positive (typical: 0.1)")
+    if config.data.format != "preference":
+      raise ConfigError(f"train.objective='dpo' with data.format={config.data.format!r}: DPO "
+                        f"trains on preference pairs; set data.format='preference' with JSONL "
+                        f"records {{prompt, chosen, rejected}}")
+  elif config.data.format == "preference":
+    raise ConfigError("data.format='preference': preference pairs train only with "
+                      "train.objective='dpo'")
+  lora = config.lora
+  if lora.rank < 0:
+    raise ConfigError(f"lora.rank={lora.rank}: must be >= 0 (0: full fine-tuning)")
+  if lora.quantize_base not in BASE_QUANTIZATIONS:
+    raise ConfigError(f"lora.quantize_base={lora.quantize_base!r}: choose one of "
+                      f"{', '.join(BASE_QUANTIZATIONS)}")
+  if lora.rank == 0:
+    if lora.quantize_base != "none":
+      raise ConfigError(f"lora.quantize_base={lora.quantize_base!r} with lora.rank=0: a "
+                        f"quantized base is frozen, so only adapters could train; set lora.rank "
+                        f"(e.g. 16) or lora.quantize_base='none'")
+    return
+  unknown = [n.strip() for n in lora.targets.split(",")
+             if n.strip() and n.strip() not in LORA_TARGETS]
+  if unknown or not lora_targets(config):
+    raise ConfigError(f"lora.targets={lora.targets!r}: "
+                      f"{'unknown ' + ', '.join(map(repr, unknown)) if unknown else 'empty'}; "
+                      f"give a comma-separated subset of {','.join(LORA_TARGETS)}")
+  if lora.alpha <= 0:
+    raise ConfigError(f"lora.alpha={lora.alpha}: must be positive (the adapter scale is "
+                      f"alpha / rank)")
+  if not 0.0 <= lora.dropout < 1.0:
+    raise ConfigError(f"lora.dropout={lora.dropout}: must be in [0, 1)")
+  if lora.quantize_base != "none":
+    group = lora.quant_group_size
+    if group <= 0 or group % 2:
+      raise ConfigError(f"lora.quant_group_size={group}: must be a positive even number "
+                        f"(typical: 64)")
 
 
 def resolve_compute_dtype(name: str, platform: str) -> str:
