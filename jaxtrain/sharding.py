@@ -15,23 +15,34 @@ from jaxtrain.mesh import LOGICAL_RULES
 from jaxtrain.model import Llama, ModelConfig
 
 
-def abstract_model(cfg: ModelConfig, mesh: Mesh):
-  """(graphdef, abstract params with .sharding, param shardings) with no allocation."""
+def abstract_model(cfg: ModelConfig, mesh: Mesh, filters: tuple | None = None):
+  """(graphdef, abstract params with .sharding, param shardings) with no allocation.
+
+  With `filters` (nnx filters, e.g. LoRA's (adapters, ...)), the params are split by them and the
+  second and third items are tuples with one state per filter.
+  """
   with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_RULES):
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-    graphdef, abstract_params = nnx.split(model)
-    shardings = nnx.get_named_sharding(abstract_params, mesh)
-  abstract_params = jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, shardings)
-  return graphdef, abstract_params, shardings
+    graphdef, *states = nnx.split(model, *(filters or ()))
+    shardings = [nnx.get_named_sharding(state, mesh) for state in states]
+  abstract = [jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                           state, sharding) for state, sharding in zip(states, shardings)]
+  if filters:
+    return graphdef, tuple(abstract), tuple(shardings)
+  return graphdef, abstract[0], shardings[0]
 
 
-def init_params_fn(cfg: ModelConfig):
+def init_params_fn(cfg: ModelConfig, trainable_only: bool = False):
   """key -> params; to be traced inside jit under the mesh, with out_shardings from
-  `abstract_model`, so every parameter is created directly in its shards."""
+  `abstract_model`, so every parameter is created directly in its shards. With
+  `trainable_only` (LoRA), only the adapters: XLA drops the unused base initialization."""
   def init(key):
     with nnx.logical_axis_rules(LOGICAL_RULES):
-      return nnx.state(Llama(cfg, rngs=nnx.Rngs(params=key)))
+      model = Llama(cfg, rngs=nnx.Rngs(params=key))
+      if trainable_only:
+        from jaxtrain import peft  # pylint: disable=import-outside-toplevel  (peft imports model)
+        return nnx.state(model, peft.trainable_filter(cfg))
+      return nnx.state(model)
   return init
 
 

@@ -16,6 +16,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
+from jaxtrain import dpo as dpo_lib
 from jaxtrain.cross_entropy import chunked_cross_entropy
 from jaxtrain.mesh import batch_sharding, replicated, shard
 
@@ -23,19 +24,75 @@ Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 
 
+class Frozen(struct.PyTreeNode):
+  """Weights a step reads but never updates: not in the optimizer, not in checkpoints (rebuilt
+  from checkpoint.init_from on every start and resume)."""
+  base: Any = None  # the rest of the model under LoRA (the quantized base under QLoRA)
+  reference: Any = None  # DPO under full fine-tuning: the initial params, frozen
+
+
 class TrainState(struct.PyTreeNode):
   step: jax.Array
-  params: Any  # nnx.State of the model's Params
+  params: Any  # the trained weights: the model's Params, or only its LoRA adapters
   opt_state: optax.OptState
   bad_streak: jax.Array  # consecutive steps skipped for a non-finite loss or gradient
+  frozen: Frozen | None = None
 
 
-def loss_sum_fn(params, graphdef, batch: Batch, loss_chunk_size: int):
-  """(summed loss, token count) of a batch under `params`."""
-  model = nnx.merge(graphdef, params)
-  x_BTD = model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"])
+def merge_model(graphdef, params, frozen: Frozen | None = None):
+  """The model from its trained weights and, under LoRA, its frozen base."""
+  if frozen is None or frozen.base is None:
+    return nnx.merge(graphdef, params)
+  return nnx.merge(graphdef, params, frozen.base)
+
+
+def _hidden_states(model, batch: Batch, dropout_key):
+  # The key is passed only when dropout is on, so models without it keep their signature.
+  kwargs = {} if dropout_key is None else {"dropout_key": dropout_key}
+  return model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"], **kwargs)
+
+
+def loss_sum_fn(params, graphdef, batch: Batch, loss_chunk_size: int, frozen=None,
+                dropout_key=None):
+  """(summed loss, token count) of a language-model batch under `params`."""
+  model = merge_model(graphdef, params, frozen)
+  x_BTD = _hidden_states(model, batch, dropout_key)
   return chunked_cross_entropy(x_BTD, model.head_weights(), batch["targets"],
                                batch["loss_mask"], loss_chunk_size)
+
+
+def make_loss_sums(graphdef, *, objective: str = "lm", loss_chunk_size: int = 512,
+                   dpo_beta: float = 0.1) -> tuple[Callable, Callable]:
+  """(`constants(params, frozen, batch)`, `loss_sums(params, frozen, batch, constants,
+  dropout_key) -> (loss sum, count, {metric: sum})`).
+
+  `constants` is what the loss needs but never differentiates (DPO: the reference's log-probs),
+  computed outside the differentiated function. Sums are over the batch's units (loss tokens
+  for "lm", preference pairs for "dpo"), so microbatches add up to the full batch and one
+  division gives the mean.
+  """
+  if objective == "lm":
+    def lm_sums(params, frozen, batch, constants, dropout_key):
+      del constants
+      loss_sum, count = loss_sum_fn(params, graphdef, batch, loss_chunk_size, frozen,
+                                    dropout_key)
+      return loss_sum, count, {}
+    return (lambda params, frozen, batch: None), lm_sums
+  if objective == "dpo":
+    def reference_logprobs(params, frozen, batch):
+      if frozen is not None and frozen.reference is not None:
+        reference = merge_model(graphdef, frozen.reference, frozen)
+      else:
+        # LoRA: the reference is the base with its adapters off; zero adapters add exactly 0.
+        reference = merge_model(graphdef, jax.tree.map(jnp.zeros_like, params), frozen)
+      return dpo_lib.reference_logprobs(reference, batch, chunk_size=loss_chunk_size)
+
+    def dpo_sums(params, frozen, batch, reference, dropout_key):
+      policy = merge_model(graphdef, params, frozen)
+      return dpo_lib.dpo_sums(policy, reference, batch, dpo_beta, chunk_size=loss_chunk_size,
+                              dropout_key=dropout_key)
+    return reference_logprobs, dpo_sums
+  raise ValueError(f"unknown objective {objective!r}")
 
 
 def _split_microbatches(batch: Batch, steps: int) -> Batch:
@@ -51,56 +108,85 @@ def _split_microbatches(batch: Batch, steps: int) -> Batch:
 
 
 def make_grad_fn(graphdef, *, grad_accum_steps: int = 1, loss_chunk_size: int = 512,
-                 param_shardings=None) -> Callable:
-  """`grad_fn(params, batch) -> (mean loss, token count, mean grads)` over the whole batch.
+                 param_shardings=None, objective: str = "lm", dpo_beta: float = 0.1,
+                 with_aux: bool = False) -> Callable:
+  """`grad_fn(params, batch, frozen=None, dropout_key=None) -> (mean loss, count, mean grads)`
+  over the whole batch (with `with_aux`, a fourth item: the objective's metrics as batch means).
 
   With accumulation, microbatch losses and grads are summed (grads in float32) and divided by
-  the batch's total token count once, which is exactly the full-batch mean. Grads are
-  constrained to their params' shardings (when given) so data-parallel reductions become
-  reduce-scatters into the shards, never replicated full gradients.
+  the batch's total count (tokens, or pairs for DPO) once, which is exactly the full-batch
+  mean. Grads are constrained to their params' shardings (when given) so data-parallel
+  reductions become reduce-scatters into the shards, never replicated full gradients.
   """
   def constrain(grads):
     if param_shardings is None:
       return grads
     return jax.lax.with_sharding_constraint(grads, param_shardings)
 
-  value_and_grad = jax.value_and_grad(loss_sum_fn, has_aux=True)
+  constants_fn, loss_sums = make_loss_sums(graphdef, objective=objective,
+                                           loss_chunk_size=loss_chunk_size, dpo_beta=dpo_beta)
 
-  def sum_grads(params, batch):
-    (loss_sum, count), grads = value_and_grad(params, graphdef, batch, loss_chunk_size)
-    return loss_sum, count, constrain(grads)
+  def value_and_grad(params, frozen, batch, key):
+    constants = constants_fn(params, frozen, batch)
 
-  def grad_fn(params, batch: Batch):
+    def loss(p):
+      loss_sum, count, aux = loss_sums(p, frozen, batch, constants, key)
+      return loss_sum, (count, aux)
+    (loss_sum, (count, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return loss_sum, count, aux, constrain(grads)
+
+  def grad_fn(params, batch: Batch, frozen=None, dropout_key=None):
     if grad_accum_steps == 1:
-      loss_sum, count, grads = sum_grads(params, batch)
+      loss_sum, count, aux, grads = value_and_grad(params, frozen, batch, dropout_key)
     else:
-      def accumulate(carry, mb):
+      def accumulate(carry, xs):
+        i, mb = xs
         mb = {k: shard(v, ("act_batch", "act_length")) for k, v in mb.items()}
-        loss_sum, count, grads = sum_grads(params, mb)
-        acc_loss, acc_count, acc_grads = carry
+        key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+        loss_sum, count, aux, grads = value_and_grad(params, frozen, mb, key)
+        acc_loss, acc_count, acc_aux, acc_grads = carry
         return (acc_loss + loss_sum, acc_count + count,
+                jax.tree.map(jnp.add, acc_aux, aux),
                 jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)), None
 
       zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-      init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
-      (loss_sum, count, grads), _ = jax.lax.scan(
-          accumulate, init, _split_microbatches(batch, grad_accum_steps))
+      first = _split_microbatches(batch, grad_accum_steps)
+      # Traced values go in as arguments: NNX refuses to merge tracers of an outer trace.
+      aux_shapes = jax.eval_shape(
+          lambda p, f, b: loss_sums(p, f, b, constants_fn(p, f, b), None)[2], params, frozen,
+          jax.tree.map(lambda x: x[0], first))
+      zero_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes)
+      init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_aux, zeros)
+      (loss_sum, count, aux, grads), _ = jax.lax.scan(
+          accumulate, init, (jnp.arange(grad_accum_steps), first))
       grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     denom = jnp.maximum(count, 1.0)
-    return loss_sum / denom, count, constrain(jax.tree.map(lambda g: g / denom, grads))
+    grads = constrain(jax.tree.map(lambda g: g / denom, grads))
+    if with_aux:
+      return loss_sum / denom, count, grads, {k: v / denom for k, v in aux.items()}
+    return loss_sum / denom, count, grads
 
   return grad_fn
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, *,
                     grad_accum_steps: int = 1, loss_chunk_size: int = 512,
-                    param_shardings=None) -> Callable:
-  """Returns the pure `train_step(state, batch) -> (state, metrics)`."""
+                    param_shardings=None, objective: str = "lm", dpo_beta: float = 0.1,
+                    dropout_seed: int | None = None) -> Callable:
+  """Returns the pure `train_step(state, batch) -> (state, metrics)`.
+
+  `dropout_seed` (LoRA dropout): each step's key is the seed folded with the step number, so a
+  resumed run draws the same masks as an uninterrupted one.
+  """
   grad_fn = make_grad_fn(graphdef, grad_accum_steps=grad_accum_steps,
-                         loss_chunk_size=loss_chunk_size, param_shardings=param_shardings)
+                         loss_chunk_size=loss_chunk_size, param_shardings=param_shardings,
+                         objective=objective, dpo_beta=dpo_beta, with_aux=True)
 
   def train_step(state: TrainState, batch: Batch):
-    loss, count, grads = grad_fn(state.params, batch)
+    key = None
+    if dropout_seed is not None:
+      key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
+    loss, count, grads, aux = grad_fn(state.params, batch, state.frozen, key)
     grad_norm = optax.tree.norm(grads)
     # Optimizer state kept in host memory (optim.offload_state) is brought to the device for the
     # update, and the out_shardings send the new state back; for device-resident state this is a
@@ -120,6 +206,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         "tokens": count,
         "skipped": 1.0 - finite.astype(jnp.float32),
         "bad_streak": bad_streak,
+        **aux,
     }
     return state.replace(step=state.step + 1, params=keep(params, state.params),
                          opt_state=keep(opt_state, old_opt_state),
@@ -128,10 +215,15 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
   return train_step
 
 
-def make_eval_step(graphdef, loss_chunk_size: int = 512) -> Callable:
-  """`eval_step(params, batch) -> (loss_sum, token_count)`; sum over batches, then divide."""
-  def eval_step(params, batch):
-    return loss_sum_fn(params, graphdef, batch, loss_chunk_size)
+def make_eval_step(graphdef, loss_chunk_size: int = 512, *, objective: str = "lm",
+                   dpo_beta: float = 0.1) -> Callable:
+  """`eval_step(params, batch, frozen=None) -> (loss sum, count, {metric: sum})`; sum over
+  batches, then divide by the summed count."""
+  constants_fn, loss_sums = make_loss_sums(graphdef, objective=objective,
+                                           loss_chunk_size=loss_chunk_size, dpo_beta=dpo_beta)
+
+  def eval_step(params, batch, frozen=None):
+    return loss_sums(params, frozen, batch, constants_fn(params, frozen, batch), None)
   return eval_step
 
 
@@ -148,10 +240,11 @@ def opt_state_shardings(tx, abstract_params, param_shardings, mesh: Mesh):
                                transform_non_params=lambda _: replicated(mesh))
 
 
-def state_shardings(tx, abstract_params, param_shardings, mesh: Mesh) -> TrainState:
+def state_shardings(tx, abstract_params, param_shardings, mesh: Mesh,
+                    frozen_shardings: Frozen | None = None) -> TrainState:
   return TrainState(step=replicated(mesh), params=param_shardings,
                     opt_state=opt_state_shardings(tx, abstract_params, param_shardings, mesh),
-                    bad_streak=replicated(mesh))
+                    bad_streak=replicated(mesh), frozen=frozen_shardings)
 
 
 def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
@@ -159,12 +252,17 @@ def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
 
 
 def jit_train_step(train_step, shardings: TrainState, mesh: Mesh):
-  """jit with explicit shardings; the state is donated so its buffers are updated in place."""
+  """jit with explicit shardings; the state is donated so its buffers are updated in place (the
+  frozen weights pass through unchanged, aliased rather than copied).
+
+  Any batch dict works: each [B, ...] array is split over the data-parallel axes.
+  """
   metric_shardings = replicated(mesh)
-  return jax.jit(train_step, in_shardings=(shardings, batch_shardings(mesh)),
+  return jax.jit(train_step, in_shardings=(shardings, batch_sharding(mesh)),
                  out_shardings=(shardings, metric_shardings), donate_argnums=(0,))
 
 
-def jit_eval_step(eval_step, param_shardings, mesh: Mesh):
-  return jax.jit(eval_step, in_shardings=(param_shardings, batch_shardings(mesh)),
+def jit_eval_step(eval_step, param_shardings, mesh: Mesh, frozen_shardings=None):
+  return jax.jit(eval_step, in_shardings=(param_shardings, batch_sharding(mesh),
+                                          frozen_shardings),
                  out_shardings=replicated(mesh))

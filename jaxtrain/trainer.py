@@ -21,6 +21,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxtrain import data as data_lib
+from jaxtrain import dpo as dpo_lib
+from jaxtrain.data import preference as preference_data
+from jaxtrain.data import shards as data_shards
 from jaxtrain.checkpoint import Checkpointer, abstract_like, load_params
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import optim
@@ -29,8 +32,8 @@ from jaxtrain.health import LossSpikeDetector, check_bad_streak
 from jaxtrain.mesh import batch_sharding, make_mesh
 from jaxtrain.model import ModelConfig
 from jaxtrain.sharding import abstract_model, init_params_fn
-from jaxtrain.train_step import (TrainState, jit_eval_step, jit_train_step, make_eval_step,
-                                 make_train_step, state_shardings)
+from jaxtrain.train_step import (Frozen, TrainState, jit_eval_step, jit_train_step,
+                                 make_eval_step, make_train_step, state_shardings)
 
 
 @dataclasses.dataclass
@@ -40,48 +43,90 @@ class Setup:
   model_cfg: ModelConfig
   graphdef: Any
   shardings: TrainState
-  init_fn: Callable[[jax.Array], TrainState]
+  init_fn: Callable[[jax.Array], TrainState]  # key -> fresh state (frozen weights not set)
   state_from_params: Callable[[Any], TrainState]  # given params, fresh optimizer, step 0
   train_step: Callable
   eval_step: Callable
+  # The plain model's params (no adapters, not quantized): what checkpoint.init_from holds and
+  # what the frozen weights are built from.
+  abstract_base: Any
+  base_init_fn: Callable[[jax.Array], Any]  # key -> random plain params, on their shardings
+  # Plain params -> the frozen weights (LoRA base, DPO reference); None when nothing is frozen.
+  make_frozen: Callable[[Any], Frozen] | None
+  objective: str = "lm"
+
+
+def _split_model(model_cfg: ModelConfig, mesh: Mesh):
+  """(graphdef, trained abstract params, their shardings, frozen abstract params or None, their
+  shardings or None): all params, or under LoRA the adapters and the rest."""
+  if getattr(model_cfg, "lora_rank", 0) == 0:  # TODO(lead): plain attr once peft lands
+    graphdef, abstract_params, shardings = abstract_model(model_cfg, mesh)
+    return graphdef, abstract_params, shardings, None, None
+  from jaxtrain import peft  # pylint: disable=import-outside-toplevel
+  graphdef, (abstract_params, abstract_rest), (shardings, rest_shardings) = abstract_model(
+      model_cfg, mesh, filters=(peft.trainable_filter(model_cfg), ...))
+  return graphdef, abstract_params, shardings, abstract_rest, rest_shardings
 
 
 def build(config, mesh: Mesh) -> Setup:
   """Abstract model, shardings and the jitted init/train/eval functions; allocates nothing."""
   model_cfg = ModelConfig.from_config(config)
-  graphdef, abstract_params, param_shardings = abstract_model(model_cfg, mesh)
+  objective = config.train.objective
+  graphdef, abstract_params, param_shardings, abstract_rest, rest_shardings = _split_model(
+      model_cfg, mesh)
+  lora = getattr(model_cfg, "lora_rank", 0) > 0
+  base_cfg = model_cfg
+  if lora:
+    from jaxtrain import peft  # pylint: disable=import-outside-toplevel
+    base_cfg = peft.plain_config(model_cfg)
+  _, abstract_base, base_shardings = abstract_model(base_cfg, mesh)
   tx = optim.make_optimizer(config)
   schedule = optim.learning_rate_schedule(config)
+
+  frozen_shardings, make_frozen = None, None
+  if lora:
+    frozen_shardings = Frozen(base=rest_shardings)
+    make_frozen = jax.jit(lambda base: Frozen(base=peft.frozen_from_base(base, model_cfg)),
+                          out_shardings=frozen_shardings, donate_argnums=0)
+  elif objective == "dpo":
+    # Full fine-tuning: the reference is a frozen copy of the initial params.
+    frozen_shardings = Frozen(reference=param_shardings)
+    make_frozen = jax.jit(lambda base: Frozen(reference=base), out_shardings=frozen_shardings,
+                          donate_argnums=0)
   shardings = state_shardings(tx, abstract_params, param_shardings, mesh)
 
-  make_params = init_params_fn(model_cfg)
-
-  def init(key):
-    params = make_params(key)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      bad_streak=jnp.zeros((), jnp.int32))
-
-  init_fn = jax.jit(init, out_shardings=shardings)
+  make_params = init_params_fn(model_cfg, trainable_only=lora)
 
   def from_params(params):
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       bad_streak=jnp.zeros((), jnp.int32))
 
+  init_fn = jax.jit(lambda key: from_params(make_params(key)), out_shardings=shardings)
   state_from_params = jax.jit(from_params, out_shardings=shardings, donate_argnums=0)
+  base_init_fn = jax.jit(init_params_fn(base_cfg), out_shardings=base_shardings)
+  full_shardings = shardings.replace(frozen=frozen_shardings)
+  dropout_seed = config.train.seed if getattr(model_cfg, "lora_dropout", 0) > 0 else None
   step = make_train_step(graphdef, tx, schedule,
                          grad_accum_steps=config.train.grad_accum_steps,
                          loss_chunk_size=config.train.loss_chunk_size,
-                         param_shardings=param_shardings)
-  train_step = jit_train_step(step, shardings, mesh)
-  eval_step = jit_eval_step(make_eval_step(graphdef, config.train.loss_chunk_size),
-                            shardings.params, mesh)
+                         param_shardings=param_shardings, objective=objective,
+                         dpo_beta=config.dpo.beta, dropout_seed=dropout_seed)
+  train_step = jit_train_step(step, full_shardings, mesh)
+  eval_step = jit_eval_step(make_eval_step(graphdef, config.train.loss_chunk_size,
+                                           objective=objective, dpo_beta=config.dpo.beta),
+                            param_shardings, mesh, frozen_shardings)
   return Setup(mesh, model_cfg, graphdef, shardings, init_fn, state_from_params, train_step,
-               eval_step)
+               eval_step, abstract_base, base_init_fn, make_frozen, objective)
 
 
 def init_state(setup: Setup, seed: int) -> TrainState:
+  """A fresh state: random params (or adapters) and, where the run has frozen weights, those
+  built from a random plain model of the same seed."""
   with jax.set_mesh(setup.mesh):
-    return setup.init_fn(jax.random.key(seed))
+    state = setup.init_fn(jax.random.key(seed))
+    if setup.make_frozen is not None:
+      state = state.replace(frozen=setup.make_frozen(setup.base_init_fn(jax.random.key(seed))))
+  return state
 
 
 def to_global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
@@ -91,15 +136,20 @@ def to_global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str,
           for k, v in local_batch.items()}
 
 
-def evaluate(setup: Setup, params, eval_batches: Iterable[dict]) -> float:
-  """Mean token loss over the fixed eval batches."""
-  total, count = 0.0, 0.0
+def evaluate(setup: Setup, state: TrainState, eval_batches: Iterable[dict]) -> dict[str, float]:
+  """{"eval_loss": mean loss, ...}: per token for "lm"; per pair for "dpo", plus the mean
+  DPO metrics as eval_<name> (eval_reward_accuracy, ...)."""
   with jax.set_mesh(setup.mesh):
-    sums = [setup.eval_step(params, to_global_batch(b, setup.mesh)) for b in eval_batches]
-  for loss_sum, n in jax.device_get(sums):
+    sums = [setup.eval_step(state.params, to_global_batch(b, setup.mesh), state.frozen)
+            for b in eval_batches]
+  total, count, aux = 0.0, 0.0, {}
+  for loss_sum, n, metric_sums in jax.device_get(sums):
     total += float(loss_sum)
     count += float(n)
-  return total / max(count, 1.0)
+    for k, v in metric_sums.items():
+      aux[k] = aux.get(k, 0.0) + float(v)
+  count = max(count, 1.0)
+  return {"eval_loss": total / count, **{f"eval_{k}": v / count for k, v in aux.items()}}
 
 
 def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConfig,
@@ -123,6 +173,18 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
       ("global batch", f"{t.global_batch_size} seq × {t.seq_len} = {tokens:,} tokens"),
       ("per-device batch", f"{per_device:g} seq = {per_device * t.seq_len:,.0f} tokens "
                            f"(grad accum {t.grad_accum_steps})"),
+  ]
+  if t.objective == "dpo":
+    # A row is one response: each pair is two rows of T+1 tokens (prompt + response).
+    reference = ("the base with adapters off" if getattr(model_cfg, "lora_rank", 0)
+                 else "frozen initial params")
+    rows[-2:] = [
+        ("global batch", f"{t.global_batch_size} preference pairs × 2 responses × "
+                         f"{t.seq_len + 1} tokens"),
+        ("per-device batch", f"{per_device:g} pairs (grad accum {t.grad_accum_steps})"),
+        ("objective", f"DPO, beta {config.dpo.beta}; reference: {reference}"),
+    ]
+  rows += [
       ("FLOPs per token", f"{metrics_lib.format_count(flops_per_token)} "
                           f"(6·N_matmul + 6·L·T·H·E)"),
       ("peak FLOP/s", f"{metrics_lib.format_count(peak) if peak else 'n/a'} total; "
@@ -141,27 +203,35 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
 
 def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
   """Trains per `config`, writing metrics under `workdir`. Returns the final train/eval loss."""
-  mesh = make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor)
+  mesh = make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor,
+                   dcn_data=config.mesh.dcn_data, dcn_fsdp=config.mesh.dcn_fsdp)
   setup = build(config, mesh)
   t = config.train
   is_chief = jax.process_index() == 0
 
-  train_iter = data_lib.make_train_iterator(config, process_index=jax.process_index(),
-                                            process_count=jax.process_count())
-  eval_batches = data_lib.make_eval_batches(config, process_index=jax.process_index(),
-                                            process_count=jax.process_count())
+  dpo = t.objective == "dpo"
+  # Language-model batches (packed documents) or preference pairs: the same three functions.
+  data_source = preference_data if dpo else data_lib
+  # This process reads only the data shards whose batch rows its devices hold.
+  shard_plan = data_shards.plan_for_mesh(config, mesh)
+  train_iter = shard_plan.train_iterator(data_source.make_train_iterator, config)
+  eval_batches = shard_plan.eval_batches(data_source.make_eval_batches, config)
   peak, peak_source = metrics_lib.peak_flops_for_devices(jax.devices())
   flops_per_token = metrics_lib.flops_per_token(setup.model_cfg, t.seq_len)
+  tokens_per_step = t.global_batch_size * t.seq_len
+  if dpo:
+    # Both responses of every pair, and the reference's forward pass (1/3 of a fwd + bwd).
+    tokens_per_step, flops_per_token = 2 * tokens_per_step, flops_per_token * 4 / 3
   ckpt = _checkpointer(config, workdir)
   state, start_step = _restore_or_init(setup, ckpt, train_iter, t.seed,
                                        config.checkpoint.init_from)
   # Taken after any restore: the iterator then continues where the checkpoint left it.
   first_batch = next(train_iter)
-  packing = data_lib.packing_stats([first_batch])["packing_efficiency"]
+  packing = None if dpo else data_lib.packing_stats([first_batch])["packing_efficiency"]
   writer = None
   if is_chief:
     print(_start_table(config, mesh, mesh_shape, setup.model_cfg, peak, peak_source, packing,
-                       data_lib.summary(config)), flush=True)
+                       data_source.summary(config)), flush=True)
     if start_step:
       print(f"resumed from step {start_step}: {ckpt.directory}/{start_step}", flush=True)
       _drop_metrics_after(workdir, start_step)
@@ -169,7 +239,7 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
       _set_aside_previous_metrics(workdir)
     writer = metrics_lib.MetricsWriter(workdir, tensorboard=config.log.tensorboard,
                                        total_steps=t.steps)
-  meter = _Throughput(t.global_batch_size * t.seq_len, flops_per_token, peak)
+  meter = _Throughput(tokens_per_step, flops_per_token, peak)
   pending = None  # (step, device metrics), fetched after the next step is dispatched
   previous_streak = None  # the last step's bad_streak, read one step late (no stall)
   last: dict[str, float] = {}
@@ -186,7 +256,7 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
         state, step_metrics = setup.train_step(state, to_global_batch(local, mesh))
         if ckpt and ckpt.should_save(step, t.steps):
           # Blocks only to copy the state off the devices; files are written in the background.
-          ckpt.save(step, state, train_iter, _meta(config, step))
+          ckpt.save(step, checkpointed(state), train_iter, _meta(config, step))
           saved_step = step
         if step == start_step + 1:
           # Step 1 includes compilation; throughput is measured from its end.
@@ -207,13 +277,14 @@ def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
           # the throughput interval.
           jax.block_until_ready(state.params)
           eval_start = time.perf_counter()
-          last["eval_loss"] = evaluate(setup, state.params, eval_batches)
+          evaluated = evaluate(setup, state, eval_batches)
+          last["eval_loss"] = evaluated.pop("eval_loss")
           if writer:
-            writer.write_eval(step, last["eval_loss"])
+            writer.write_eval(step, last["eval_loss"], **evaluated)
           meter.exclude(time.perf_counter() - eval_start)
         if stop.poll(step):
           if ckpt and saved_step != step:
-            ckpt.save(step, state, train_iter, _meta(config, step))
+            ckpt.save(step, checkpointed(state), train_iter, _meta(config, step))
           if ckpt:
             ckpt.wait()
           last["preempted_at"] = step
@@ -297,20 +368,50 @@ def _restore_or_init(setup: Setup, ckpt: Checkpointer | None, train_iter, seed: 
                      init_from: str = "") -> tuple[TrainState, int]:
   """(state, step): the latest complete checkpoint restored onto this run's shardings (the data
   iterator too); else a fresh state at step 0 whose params come from `init_from` when given,
-  from a sharded random init otherwise."""
+  from a sharded random init otherwise. Frozen weights (the LoRA base, the DPO reference) are
+  never checkpointed: they are rebuilt here, from `init_from` or the seed's random init, on
+  every start and resume."""
   with jax.set_mesh(setup.mesh):
     shapes = jax.eval_shape(setup.init_fn, jax.random.key(seed))
+  state, step = None, 0
   if ckpt is not None and ckpt.latest_step() is not None:
     state, step = ckpt.restore_latest(abstract_like(shapes, setup.shardings), train_iter)
-    if step is not None:
-      return state, step
-  if not init_from:
-    return init_state(setup, seed), 0
-  params, source = load_params(init_from, abstract_like(shapes.params, setup.shardings.params))
-  if jax.process_index() == 0:
-    print(f"initialized params from {source} (optimizer state fresh, step 0)", flush=True)
+    step = step or 0
+  lora = getattr(setup.model_cfg, "lora_rank", 0) > 0
+  chief = jax.process_index() == 0
+
+  def base_params(what: str, note: str = ""):
+    """The plain model's params: from init_from, else the seed's random init."""
+    if not init_from:
+      with jax.set_mesh(setup.mesh):
+        return setup.base_init_fn(jax.random.key(seed))
+    params, source = load_params(init_from, setup.abstract_base)
+    if chief:
+      print(f"{what} from {source}{note}", flush=True)
+    return params
+
   with jax.set_mesh(setup.mesh):
-    return setup.state_from_params(params), 0
+    if state is None:
+      if lora:
+        state = setup.init_fn(jax.random.key(seed))  # fresh adapters; the base comes below
+      elif init_from:
+        state = setup.state_from_params(
+            base_params("initialized params", " (optimizer state fresh, step 0)"))
+      else:
+        state = setup.init_fn(jax.random.key(seed))
+    if setup.make_frozen is not None:
+      if chief and not init_from:
+        print(f"warning: {'LoRA base' if lora else 'DPO reference'} weights are a random init "
+              f"(no checkpoint.init_from): fine for a smoke test, meaningless for fine-tuning",
+              flush=True)
+      what = "frozen base weights" if lora else "DPO reference weights"
+      state = state.replace(frozen=setup.make_frozen(base_params(what)))
+  return state, step
+
+
+def checkpointed(state: TrainState) -> TrainState:
+  """What a checkpoint holds: the state without its frozen weights (rebuilt on resume)."""
+  return state.replace(frozen=None)
 
 
 def _drop_metrics_after(workdir: str, step: int):
@@ -387,6 +488,7 @@ def _log(writer, meter: _Throughput, spikes: LossSpikeDetector, step: int, devic
             "grad_norm": m["grad_norm"], **meter.measure(step), "tokens": m["tokens"],
             "skipped": m["skipped"], "skipped_steps": skipped_steps,
             "loss_spikes": spikes.spikes}
+  record.update({k: m[k] for k in dpo_lib.METRIC_NAMES if k in m})
   if writer:
     writer.write_train(step, record)
   return {"loss": m["loss"]}

@@ -79,3 +79,86 @@ def preference_dataset(source, tokenizer, *, seq_len: int, batch_size: int, voca
   ds = ds.filter(lambda row: row is not None)
   read = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
   return ds.to_iter_dataset(read).batch(batch_size, drop_remainder=True)
+
+
+class RecordSubset:
+  """Some records of a record source, by index (the train or eval side of a held-out split)."""
+
+  def __init__(self, source, indices_N: np.ndarray):
+    self.source, self.indices_N = source, np.asarray(indices_N, dtype=np.int64)
+
+  def __len__(self) -> int:
+    return len(self.indices_N)
+
+  def __getitem__(self, i):
+    return self.source[int(self.indices_N[int(i)])]
+
+
+def load_splits(config):
+  """(train, eval) record sources of preference pairs from `data.train_paths` (and
+  `data.eval_paths`, or a held-out `data.eval_fraction` of the training records)."""
+  from jaxtrain.data import pipeline  # pylint: disable=import-outside-toplevel  (import cycle)
+  from jaxtrain.data import sources  # pylint: disable=import-outside-toplevel
+  d = config.data
+  if d.source != "jsonl":
+    raise ConfigError(f"data.format='preference': needs data.source='jsonl' (records "
+                      f"{{prompt, chosen, rejected}}), got {d.source!r}")
+  if not d.train_paths:
+    raise ConfigError("data.train_paths='': DPO needs JSONL files of preference pairs; set "
+                      "data.train_paths to a path or glob")
+
+  def records(paths, what):
+    return sources.JsonlSource(paths, field=None, on_bad_record=d.on_bad_record, what=what)
+  train = records(d.train_paths, "train_paths")
+  if d.eval_paths:
+    return train, records(d.eval_paths, "eval_paths")
+  train_N, eval_N = pipeline.held_out_indices(len(train), float(d.eval_fraction))
+  return RecordSubset(train, train_N), RecordSubset(train, eval_N)
+
+
+def _local_batch(config, process_count: int) -> int:
+  gbs = config.train.global_batch_size
+  if gbs % process_count:
+    raise ConfigError(f"train.global_batch_size={gbs}: must be divisible by the process count "
+                      f"{process_count}")
+  return gbs // process_count
+
+
+def make_train_iterator(config, *, process_index: int = 0, process_count: int = 1):
+  """Infinite, checkpointable iterator over this process's DPO batches (`jaxtrain.dpo`'s
+  format; train.global_batch_size pairs per step over all processes)."""
+  from jaxtrain.data import pipeline  # pylint: disable=import-outside-toplevel
+  train, _ = load_splits(config)
+  tok = pipeline._tokenizer(config.data.tokenizer)  # pylint: disable=protected-access
+  ds = preference_dataset(train, tok, seq_len=config.train.seq_len,
+                          batch_size=_local_batch(config, process_count),
+                          vocab_size=config.model.vocab_size, seed=int(config.data.seed),
+                          process_index=process_index, process_count=process_count)
+  return iter(ds)
+
+
+# Offset so the eval order never equals the train order for the same data.seed.
+_EVAL_SEED_OFFSET = 1_000_003
+
+
+def make_eval_batches(config, *, process_index: int = 0,
+                      process_count: int = 1) -> list[dict[str, np.ndarray]]:
+  """Exactly `train.eval_batches` batches of held-out pairs, identical at every evaluation."""
+  from jaxtrain.data import pipeline  # pylint: disable=import-outside-toplevel
+  _, evals = load_splits(config)
+  tok = pipeline._tokenizer(config.data.tokenizer)  # pylint: disable=protected-access
+  ds = preference_dataset(evals, tok, seq_len=config.train.seq_len,
+                          batch_size=_local_batch(config, process_count),
+                          vocab_size=config.model.vocab_size,
+                          seed=int(config.data.seed) + _EVAL_SEED_OFFSET,
+                          process_index=process_index, process_count=process_count)
+  it = iter(ds)
+  return [next(it) for _ in range(config.train.eval_batches)]
+
+
+def summary(config) -> list[tuple[str, str]]:
+  """Start-table rows: the preference files and their train/eval pair counts."""
+  train, evals = load_splits(config)
+  base = train.source if isinstance(train, RecordSubset) else train
+  what = base.describe() if hasattr(base, "describe") else "preference pairs"
+  return [("data", f"{what}: {len(train):,} train / {len(evals):,} eval preference pairs")]

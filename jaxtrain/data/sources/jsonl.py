@@ -184,4 +184,6 @@ class JsonlSource(Source):
       raise DataError(f"{path}:{_line_number(path, offset)}: {e}") from None
 
   def _describe_extra(self) -> str:
-    return f", field {self.field!r}" + (f", {self.skipped} skipped" if self.skipped else "")
+    # field None: whole records go to a formatter (prompt/completion, chat, preference pairs).
+    what = f", field {self.field!r}" if self.field is not None else ", whole records"
+    return what + (f", {self.skipped} skipped" if self.skipped else "")
