@@ -1,6 +1,6 @@
 """Ahead-of-time compile of the real train step on abstract inputs: per-device memory and FLOPs.
 
-The step is built exactly as the trainer builds it (abstract model -> shardings -> optimizer ->
+The step is built by the trainer's own `build` (abstract model -> shardings -> optimizer ->
 `make_train_step` -> `jit_train_step`, with its in/out shardings and donated state), then lowered
 with `jax.ShapeDtypeStruct` inputs that carry those shardings, so no weight is ever allocated.
 Parameter and optimizer bytes per device are exact (shard shapes times itemsizes); temporaries
@@ -24,13 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import hlo_flops, metrics, optim
+from jaxtrain import dpo, hlo_flops, metrics
 from jaxtrain.config import MeshShape, validate
 from jaxtrain.mesh import batch_sharding, make_mesh
 from jaxtrain.model import ModelConfig
-from jaxtrain.sharding import abstract_model
-from jaxtrain.train_step import (BATCH_KEYS, TrainState, jit_train_step, make_train_step,
-                                 state_shardings)
+from jaxtrain.train_step import BATCH_KEYS
 
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 # A dry run never executes its CPU program, so LLVM need not optimize it: these leave the HLO,
@@ -71,6 +69,8 @@ class Measurement:
   attention_note: str
   act_host: int = 0  # saved activations in host memory (offload remat policies), estimated
   remat_note: str = ""
+  # Of `params`: weights that do not train (the LoRA/QLoRA base, the DPO reference), exact.
+  frozen: int = 0
 
   @property
   def total(self) -> int:
@@ -126,68 +126,84 @@ def measure(config, devices) -> Measurement:
   return m
 
 
+def abstract_batch(config, mesh) -> dict[str, jax.ShapeDtypeStruct]:
+  """One global batch of the run's objective as shapes: [B, T] language-model rows, or DPO's
+  [B, T+1] rows per side of each preference pair."""
+  b, t = config.train.global_batch_size, config.train.seq_len
+  sharding = batch_sharding(mesh)
+  if config.train.objective == "dpo":
+    return {k: jax.ShapeDtypeStruct((b, t + 1), jnp.float32 if k.endswith("loss_mask")
+                                    else jnp.int32, sharding=sharding)
+            for k in dpo.BATCH_KEYS}
+  return {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "loss_mask" else jnp.int32,
+                                  sharding=sharding) for k in BATCH_KEYS}
+
+
+def _param_shards(tree, prefix: str = "") -> list[ParamShard]:
+  return [ParamShard(prefix + jax.tree_util.keystr(path, simple=True, separator=".")
+                     .removesuffix(".value"), tuple(a.shape), str(a.dtype), str(a.sharding.spec),
+                     _shard_bytes(a, a.sharding))
+          for path, a in jax.tree_util.tree_leaves_with_path(tree)]
+
+
 def _compile_and_measure(config, devices) -> Measurement:
+  # Imported here: the trainer pulls in the data pipeline, which a dry run needs only for this.
+  from jaxtrain import trainer  # pylint: disable=import-outside-toplevel
   backend = devices[0].platform
   mesh_shape = validate(config, len(devices), "gpu" if backend == "cpu" else backend)
   mesh = make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor, devices=devices)
   model_cfg, attention_note = modelled_model_config(config, backend)
-  graphdef, abstract_params, param_shardings = abstract_model(model_cfg, mesh)
-  tx = optim.make_optimizer(config)
-  shardings = state_shardings(tx, abstract_params, param_shardings, mesh)
-  step = make_train_step(graphdef, tx, optim.learning_rate_schedule(config),
-                         grad_accum_steps=config.train.grad_accum_steps,
-                         loss_chunk_size=config.train.loss_chunk_size,
-                         param_shardings=param_shardings)
-  train_step = jit_train_step(step, shardings, mesh)
-
-  # The state the trainer's init produces, as shapes only.
-  state_shapes = jax.eval_shape(
-      lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p),
-                           bad_streak=jnp.zeros((), jnp.int32)), abstract_params)
-  abstract_state = jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state_shapes, shardings)
-  b, t = config.train.global_batch_size, config.train.seq_len
-  abstract_batch = {
-      k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "loss_mask" else jnp.int32,
-                              sharding=batch_sharding(mesh)) for k in BATCH_KEYS}
+  # The step exactly as the trainer builds it, frozen weights (LoRA base, DPO reference) included.
+  setup = trainer.build(config, mesh, model_cfg)
+  state = trainer.abstract_state(setup, config.train.seed)
+  batch = abstract_batch(config, mesh)
 
   start = time.perf_counter()
   with jax.set_mesh(mesh):
-    lowered = train_step.lower(abstract_state, abstract_batch)
+    lowered = setup.train_step.lower(state, batch)
     compiled = lowered.compile(_CPU_COMPILE_OPTIONS if backend == "cpu" else None)
   compile_s = time.perf_counter() - start
 
-  opt_leaves = zip(jax.tree.leaves(state_shapes.opt_state), jax.tree.leaves(shardings.opt_state))
   opt_device = opt_host = 0
-  for a, s in opt_leaves:
-    if s.memory_kind in HOST_MEMORY_KINDS:
-      opt_host += _shard_bytes(a, s)
+  for a in jax.tree.leaves(state.opt_state):
+    if a.sharding.memory_kind in HOST_MEMORY_KINDS:
+      opt_host += _shard_bytes(a, a.sharding)
     else:
-      opt_device += _shard_bytes(a, s)
-  param_shards = [
-      ParamShard(jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value"),
-                 tuple(a.shape),
-                 str(a.dtype), str(s.spec), _shard_bytes(a, s))
-      for (path, a), s in zip(jax.tree_util.tree_leaves_with_path(abstract_params),
-                              jax.tree.leaves(param_shardings))]
+      opt_device += _shard_bytes(a, a.sharding)
+  param_shards = _param_shards(state.params)
+  frozen_shards = _param_shards(state.frozen, "frozen.") if state.frozen is not None else []
   memory = compiled.memory_analysis()
   counted = hlo_flops.count(compiled.as_text())
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  frozen = sum(p.device_bytes for p in frozen_shards)
   return Measurement(
       num_devices=len(devices), backend=backend, mesh=mesh_shape, model_cfg=model_cfg,
-      params=sum(p.device_bytes for p in param_shards), opt_device=opt_device,
+      params=sum(p.device_bytes for p in param_shards) + frozen, opt_device=opt_device,
       opt_host=opt_host,
-      batch=sum(_shard_bytes(x, x.sharding) for x in abstract_batch.values()),
+      batch=sum(_shard_bytes(x, x.sharding) for x in batch.values()),
       temp=int(memory.temp_size_in_bytes),
       outputs=max(0, int(memory.output_size_in_bytes) - int(memory.alias_size_in_bytes)),
       compiler_arguments=int(memory.argument_size_in_bytes),
       flops=counted.flops, xla_flops=float(cost.get("flops", np.nan)),
       loops_without_trip_count=counted.loops_without_trip_count, compile_s=compile_s,
-      param_shards=param_shards, attention_note=attention_note)
+      param_shards=param_shards + frozen_shards, attention_note=attention_note,
+      frozen=frozen)
+
+
+def analytic_tokens_per_step(config) -> int:
+  """Tokens one step trains on: B x T, or for DPO both responses of B pairs (2 x B x (T+1))."""
+  t = config.train
+  if t.objective == "dpo":
+    return 2 * t.global_batch_size * (t.seq_len + 1)
+  return t.global_batch_size * t.seq_len
 
 
 def analytic_flops_per_step(config) -> float:
-  """metrics.flops_per_step: 6 * N_matmul + 6 * L * T * H * E per token, times the tokens."""
-  return metrics.flops_per_step(config.model, config.train.seq_len,
-                                config.train.global_batch_size)
+  """metrics.flops_per_token (6 * N_matmul + 6 * L * T * H * E) times the step's tokens; DPO
+  adds the reference's forward pass (2 of those 6 per token): x 4/3."""
+  t = config.train
+  if t.objective == "dpo":
+    per_token = metrics.flops_per_token(config.model, t.seq_len + 1) * 4 / 3
+    return per_token * analytic_tokens_per_step(config)
+  return metrics.flops_per_step(config.model, t.seq_len, t.global_batch_size)

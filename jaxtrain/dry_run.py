@@ -144,7 +144,9 @@ def _describe(config, m: aot.Measurement, config_name: str) -> list[str]:
   host = m.opt_host + m.act_host
   lines += [
       "", "per-device memory:",
-      f"  parameters       {_gib(m.params):>11}  exact, from the shardings",
+      f"  parameters       {_gib(m.params):>11}  exact, from the shardings"
+      + (f" (trained {_gib(m.params - m.frozen)}, frozen {_gib(m.frozen)})" if m.frozen
+         else ""),
       f"  optimizer state  {_gib(m.opt_device):>11}  exact (device memory)",
       f"  batch            {_gib(m.batch):>11}  exact",
       f"  temporaries      {_gib(m.temp):>11}  from the compiler (see the note)",
@@ -171,7 +173,8 @@ def _describe(config, m: aot.Measurement, config_name: str) -> list[str]:
       f"  XLA cost_analysis {m.xla_flops * n:.3e}  counts each loop body once (layers, "
       f"microbatches, loss chunks)",
       f"  analytic          {analytic:.3e}  (6·N_matmul + 6·L·T·H·E) per token × "
-      f"{t.global_batch_size * t.seq_len:,} tokens",
+      f"{aot.analytic_tokens_per_step(config):,} tokens"
+      + (" × 4/3 (DPO: the reference's forward)" if t.objective == "dpo" else ""),
       f"  compiled / analytic {m.flops * n / analytic:.2f}: remat recompute"
       + ("; blockwise attention computes masked blocks too" if cfg.attention_impl ==
          "blockwise" else "; attention computed for all T×S pairs (masked too)"),

@@ -54,6 +54,19 @@ class Setup:
   # Plain params -> the frozen weights (LoRA base, DPO reference); None when nothing is frozen.
   make_frozen: Callable[[Any], Frozen] | None
   objective: str = "lm"
+  abstract_params: Any = None  # the trained params (or adapters), shapes with shardings
+  frozen_shardings: Frozen | None = None
+
+
+def abstract_state(setup: Setup, seed: int = 0) -> TrainState:
+  """The full state a run trains (frozen weights included) as ShapeDtypeStructs with their
+  shardings: what the dry run compiles for."""
+  with jax.set_mesh(setup.mesh):
+    shapes = jax.eval_shape(setup.init_fn, jax.random.key(seed))
+    if setup.make_frozen is not None:
+      shapes = shapes.replace(frozen=jax.eval_shape(setup.make_frozen, setup.abstract_base))
+  shardings = setup.shardings.replace(frozen=setup.frozen_shardings)
+  return abstract_like(shapes, shardings)
 
 
 def _split_model(model_cfg: ModelConfig, mesh: Mesh):
@@ -68,9 +81,13 @@ def _split_model(model_cfg: ModelConfig, mesh: Mesh):
   return graphdef, abstract_params, shardings, abstract_rest, rest_shardings
 
 
-def build(config, mesh: Mesh) -> Setup:
-  """Abstract model, shardings and the jitted init/train/eval functions; allocates nothing."""
-  model_cfg = ModelConfig.from_config(config)
+def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
+  """Abstract model, shardings and the jitted init/train/eval functions; allocates nothing.
+
+  `model_cfg` overrides the model config derived from `config` (the dry run models an
+  accelerator's dtype and attention while compiling for CPU).
+  """
+  model_cfg = model_cfg or ModelConfig.from_config(config)
   objective = config.train.objective
   graphdef, abstract_params, param_shardings, abstract_rest, rest_shardings = _split_model(
       model_cfg, mesh)
@@ -116,7 +133,8 @@ def build(config, mesh: Mesh) -> Setup:
                                            objective=objective, dpo_beta=config.dpo.beta),
                             param_shardings, mesh, frozen_shardings)
   return Setup(mesh, model_cfg, graphdef, shardings, init_fn, state_from_params, train_step,
-               eval_step, abstract_base, base_init_fn, make_frozen, objective)
+               eval_step, abstract_base, base_init_fn, make_frozen, objective,
+               abstract_params=abstract_params, frozen_shardings=frozen_shardings)
 
 
 def init_state(setup: Setup, seed: int) -> TrainState:

@@ -1,0 +1,38 @@
+"""Llama 3.1 8B, Direct Preference Optimization with full fine-tuning.
+
+The policy starts from a converted (usually SFT'd) checkpoint and the reference is a frozen copy
+of the same weights, sharded like the policy and never checkpointed (rebuilt from init_from on
+resume). Preference records are JSONL {"prompt", "chosen", "rejected"}, the prompt a string or
+chat messages. For DPO under LoRA (the reference is then the base with adapters off, no second
+copy) add --config.lora.rank=16.
+
+  python -m jaxtrain.main --config=configs/dpo_llama8b.py --workdir=runs/dpo \\
+    --config.checkpoint.init_from=runs/sft \\
+    --config.data.tokenizer=hf:weights/llama8b/tokenizer.json \\
+    --config.data.train_paths='prefs/*.jsonl'
+"""
+
+import os
+
+from jaxtrain.config import load_config_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def get_config():
+  c = load_config_file(os.path.join(HERE, "llama8b.py"))
+  c.train.objective = "dpo"
+  c.dpo.beta = 0.1
+  c.data.source = "jsonl"
+  c.data.format = "preference"
+  c.data.eval_fraction = 0.02
+  c.train.seq_len = 2048  # prompt + response per side
+  c.train.global_batch_size = 64  # preference pairs per step
+  c.train.steps = 1000
+  c.train.eval_every = 100
+  c.optim.learning_rate = 5e-7  # DPO moves full weights only slightly
+  c.optim.warmup_steps = 50
+  c.optim.weight_decay = 0.0
+  c.optim.min_lr_ratio = 0.0
+  c.checkpoint.every_steps = 100
+  return c
