@@ -33,11 +33,10 @@ def load(checkpoint: str, config_path: str | None = None):
   import jax  # pylint: disable=import-outside-toplevel
   import ml_collections  # pylint: disable=import-outside-toplevel
   from jaxtrain import checkpoint as ckpt_lib  # pylint: disable=import-outside-toplevel
-  from jaxtrain import sharding  # pylint: disable=import-outside-toplevel
+  from jaxtrain import run_weights  # pylint: disable=import-outside-toplevel
   from jaxtrain.config import ConfigError, load_config_file  # pylint: disable=import-outside-toplevel
   from jaxtrain.mesh import make_mesh  # pylint: disable=import-outside-toplevel
   from jaxtrain.model import ModelConfig  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
 
   if not os.path.isdir(checkpoint):
     raise ConfigError(f"--checkpoint={checkpoint!r}: no such directory")
@@ -58,9 +57,9 @@ def load(checkpoint: str, config_path: str | None = None):
   # Generation computes one token at a time: no remat, and the dense xla attention suffices.
   config.model.remat_policy = "none"
   cfg = dataclasses.replace(ModelConfig.from_config(config), attention_impl="xla")
-  graphdef, abstract_params, shardings = sharding.abstract_model(cfg, mesh)
-  params, _ = ckpt_lib.load_params(checkpoint, ckpt_lib.abstract_like(abstract_params, shardings))
-  return nnx.merge(graphdef, params), config
+  # A LoRA run's adapters come merged into its base: generation runs the plain model.
+  model, _ = run_weights.load_plain_model(checkpoint, config, mesh, cfg)
+  return model, config
 
 
 def run(argv=None):

@@ -43,7 +43,9 @@ def merge_model(graphdef, params, frozen: Frozen | None = None):
   """The model from its trained weights and, under LoRA, its frozen base."""
   if frozen is None or frozen.base is None:
     return nnx.merge(graphdef, params)
-  return nnx.merge(graphdef, params, frozen.base)
+  # Rebuilt leaf by leaf: NNX variables belong to the trace that made them, and the frozen
+  # state arrives from outside the differentiated function (nnx.scan refuses such variables).
+  return nnx.merge(graphdef, params, jax.tree.map(lambda x: x, frozen.base))
 
 
 def _hidden_states(model, batch: Batch, dropout_key):

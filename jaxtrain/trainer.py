@@ -72,7 +72,7 @@ def abstract_state(setup: Setup, seed: int = 0) -> TrainState:
 def _split_model(model_cfg: ModelConfig, mesh: Mesh):
   """(graphdef, trained abstract params, their shardings, frozen abstract params or None, their
   shardings or None): all params, or under LoRA the adapters and the rest."""
-  if getattr(model_cfg, "lora_rank", 0) == 0:  # TODO(lead): plain attr once peft lands
+  if model_cfg.lora_rank == 0:
     graphdef, abstract_params, shardings = abstract_model(model_cfg, mesh)
     return graphdef, abstract_params, shardings, None, None
   from jaxtrain import peft  # pylint: disable=import-outside-toplevel
@@ -91,7 +91,7 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
   objective = config.train.objective
   graphdef, abstract_params, param_shardings, abstract_rest, rest_shardings = _split_model(
       model_cfg, mesh)
-  lora = getattr(model_cfg, "lora_rank", 0) > 0
+  lora = model_cfg.lora_rank > 0
   base_cfg = model_cfg
   if lora:
     from jaxtrain import peft  # pylint: disable=import-outside-toplevel
@@ -122,7 +122,7 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
   state_from_params = jax.jit(from_params, out_shardings=shardings, donate_argnums=0)
   base_init_fn = jax.jit(init_params_fn(base_cfg), out_shardings=base_shardings)
   full_shardings = shardings.replace(frozen=frozen_shardings)
-  dropout_seed = config.train.seed if getattr(model_cfg, "lora_dropout", 0) > 0 else None
+  dropout_seed = config.train.seed if model_cfg.lora_dropout > 0 else None
   step = make_train_step(graphdef, tx, schedule,
                          grad_accum_steps=config.train.grad_accum_steps,
                          loss_chunk_size=config.train.loss_chunk_size,
@@ -192,9 +192,20 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
       ("per-device batch", f"{per_device:g} seq = {per_device * t.seq_len:,.0f} tokens "
                            f"(grad accum {t.grad_accum_steps})"),
   ]
+  if model_cfg.lora_rank:
+    from jaxtrain import peft  # pylint: disable=import-outside-toplevel
+    counts = peft.parameter_counts(model_cfg)
+    quant = ("" if model_cfg.base_quant == "none" else
+             f", {metrics_lib.format_count(counts.quantized)} of them stored {model_cfg.base_quant}"
+             f" (groups of {model_cfg.quant_group_size})")
+    rows.append(("trained", f"LoRA rank {model_cfg.lora_rank} (alpha {model_cfg.lora_alpha:g}) "
+                            f"on {','.join(model_cfg.lora_targets)}: {counts.trainable:,} adapter "
+                            f"params ({100 * counts.trainable / counts.total:.2f}%)"))
+    rows.append(("frozen base", f"{metrics_lib.format_count(counts.frozen_bytes)}B in "
+                                f"{model_cfg.param_dtype}{quant}"))
   if t.objective == "dpo":
     # A row is one response: each pair is two rows of T+1 tokens (prompt + response).
-    reference = ("the base with adapters off" if getattr(model_cfg, "lora_rank", 0)
+    reference = ("the base with adapters off" if model_cfg.lora_rank
                  else "frozen initial params")
     rows[-2:] = [
         ("global batch", f"{t.global_batch_size} preference pairs × 2 responses × "
@@ -395,7 +406,7 @@ def _restore_or_init(setup: Setup, ckpt: Checkpointer | None, train_iter, seed: 
   if ckpt is not None and ckpt.latest_step() is not None:
     state, step = ckpt.restore_latest(abstract_like(shapes, setup.shardings), train_iter)
     step = step or 0
-  lora = getattr(setup.model_cfg, "lora_rank", 0) > 0
+  lora = setup.model_cfg.lora_rank > 0
   chief = jax.process_index() == 0
 
   def base_params(what: str, note: str = ""):

@@ -395,7 +395,8 @@ def export_command(checkpoint: str, config_path: str | None, out: str, dtype: st
                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                    rope_spelling: str = "rope_parameters", overwrite: bool = False) -> list[str]:
   """Exports a run's checkpoint or a weights directory as a Hugging Face directory."""
-  from jaxtrain.checkpoint import load_params  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from jaxtrain.run_weights import load_plain_model, plain_run_config
 
   if config_path is None:
     config_path = os.path.join(checkpoint, "config.py")
@@ -407,9 +408,9 @@ def export_command(checkpoint: str, config_path: str | None, out: str, dtype: st
   _existing_weights(out, overwrite)  # before minutes of loading, not after
   config = load_config_file(config_path)
   cfg = ModelConfig.from_config(config)
-  graphdef, abstract_params, _ = abstract_model(cfg, _host_mesh(cfg))
-  params, _ = load_params(checkpoint, abstract_params)
-  return save_model(nnx.merge(graphdef, params), config, out, dtype=dtype,
+  # A LoRA run's adapters are merged into its base here: the export is a plain Llama.
+  model, _ = load_plain_model(checkpoint, config, _host_mesh(cfg))
+  return save_model(model, plain_run_config(config), out, dtype=dtype,
                     max_file_bytes=max_file_bytes, rope_spelling=rope_spelling,
                     overwrite=overwrite)
 
