@@ -5,11 +5,17 @@ constraints go through `mesh.shard`, a no-op without a mesh. Layers are stacked 
 `layers` axis and applied with `nnx.scan` (or kept as a list and unrolled), each under remat with a
 named policy. Shape letters: B batch, T length, D model dim, H query heads, K kv heads, E head dim,
 F mlp dim, V vocab, L layers.
+
+Fine-tuning (jaxtrain/peft): with lora_rank > 0 each targeted projection gets a LoRA adapter
+(`lora_<target>` beside its weight); with base_quant != "none" the seven projection weights are
+stored quantized (`QuantizedWeight` in the weight's place). Each projection is one
+`peft.project` call, which is the plain matmul when neither applies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -20,8 +26,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain import attention as attention_lib
-from jaxtrain.config import resolve_compute_dtype
+from jaxtrain.config import lora_targets as config_lora_targets, resolve_compute_dtype
 from jaxtrain.mesh import shard
+from jaxtrain.peft import lora as lora_lib
+from jaxtrain.peft.projection import project
+from jaxtrain.peft.quantize import QuantizedWeight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +55,13 @@ class ModelConfig:
   attention_blocks: tuple[int, int] = (0, 0)  # pallas: (block_q, block_k); 0 = the default
   param_dtype: str = "float32"
   dtype: str = "float32"
+  # LoRA / QLoRA (the run config's `lora` group; rank 0 = the plain model, bit for bit).
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_dropout: float = 0.0  # on the adapters' inputs, only when a dropout key is given
+  lora_targets: tuple[str, ...] = ()  # subset of config.LORA_TARGETS
+  base_quant: str = "none"  # "none" | "int8" | "int4" | "nf4": storage of the frozen projections
+  quant_group_size: int = 64  # input elements per quantization scale
 
   @classmethod
   def from_config(cls, config, platform: str | None = None) -> "ModelConfig":
@@ -55,6 +71,13 @@ class ModelConfig:
     `model.dtype="auto"`: bfloat16 compute on accelerators, float32 on CPU.
     """
     m = config.model
+    lora = {}
+    # Rank 0 maps to the default fields, so a plain run config gives the plain ModelConfig.
+    if "lora" in config and config.lora.rank > 0:
+      lora = dict(lora_rank=config.lora.rank, lora_alpha=float(config.lora.alpha),
+                  lora_dropout=float(config.lora.dropout),
+                  lora_targets=config_lora_targets(config), base_quant=config.lora.quantize_base,
+                  quant_group_size=config.lora.quant_group_size)
     scaling = None
     if m.rope_scaling.type == "llama3":
       scaling = tuple(sorted((k, v) for k, v in m.rope_scaling.to_dict().items() if k != "type"))
@@ -67,7 +90,7 @@ class ModelConfig:
                attention_interpret=config.attention.interpret,
                attention_blocks=(config.attention.block_q, config.attention.block_k),
                param_dtype=m.param_dtype,
-               dtype=resolve_compute_dtype(m.dtype, platform or jax.default_backend()))
+               dtype=resolve_compute_dtype(m.dtype, platform or jax.default_backend()), **lora)
 
 
 _QKV_NAMES = ("query_proj", "key_proj", "value_proj")
@@ -140,22 +163,17 @@ def apply_rope(x_BTNE: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray)
   return out.astype(x_BTNE.dtype)
 
 
-def dense(x_BTI: jax.Array, w_IO: jax.Array) -> jax.Array:
-  """x [..., I] @ w [I, ...] as one 2-D matmul over the flattened tokens.
-
-  Same math as the einsum; the flat form gives the weight gradient a single contracting dim
-  (tokens) instead of two (batch, length), which XLA:CPU runs as one GEMM rather than
-  transposing first: 94 -> 136 GFLOP/s for the MLP's forward + backward on 2 cores. Leading
-  dims merge without a copy, and a batch sharded over the data axes stays sharded.
-  """
-  out_shape = (*x_BTI.shape[:-1], *w_IO.shape[1:])
-  x_NI = x_BTI.reshape(-1, x_BTI.shape[-1])
-  return (x_NI @ w_IO.reshape(w_IO.shape[0], -1)).reshape(out_shape)
-
-
 def _param(rngs: nnx.Rngs, shape, names, std, dtype) -> nnx.Param:
   init = jax.nn.initializers.normal(stddev=std)
   return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names)
+
+
+def _weight(cfg: ModelConfig, rngs: nnx.Rngs, shape, names, std, num_in: int = 1):
+  """A projection weight [*in, *out]: a Param, or its frozen quantized storage under QLoRA."""
+  w = _param(rngs, shape, names, std, jnp.dtype(cfg.param_dtype))
+  if cfg.base_quant == "none":
+    return w
+  return QuantizedWeight(w[...], names, cfg.base_quant, cfg.quant_group_size, num_in)
 
 
 class RMSNorm(nnx.Module):
@@ -174,12 +192,19 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, h, k, e = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    pd = jnp.dtype(cfg.param_dtype)
     out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)  # residual branches sum over 2L
-    self.wq_DHE = _param(rngs, (d, h, e), ("embed", "heads", "head_dim"), cfg.init_std, pd)
-    self.wk_DKE = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), cfg.init_std, pd)
-    self.wv_DKE = _param(rngs, (d, k, e), ("embed", "kv_heads", "head_dim"), cfg.init_std, pd)
-    self.wo_HED = _param(rngs, (h, e, d), ("heads", "head_dim", "embed"), out_std, pd)
+    q = (d, h, e), ("embed", "heads", "head_dim")
+    kv = (d, k, e), ("embed", "kv_heads", "head_dim")
+    o = (h, e, d), ("heads", "head_dim", "embed")
+    self.wq_DHE = _weight(cfg, rngs, *q, cfg.init_std)
+    self.wk_DKE = _weight(cfg, rngs, *kv, cfg.init_std)
+    self.wv_DKE = _weight(cfg, rngs, *kv, cfg.init_std)
+    self.wo_HED = _weight(cfg, rngs, *o, out_std, num_in=2)
+    # LoRA adapters: None unless lora_rank > 0 and the projection is in lora_targets.
+    self.lora_q = lora_lib.adapter(cfg, rngs, "q", "wq_DHE", *q)
+    self.lora_k = lora_lib.adapter(cfg, rngs, "k", "wk_DKE", *kv)
+    self.lora_v = lora_lib.adapter(cfg, rngs, "v", "wv_DKE", *kv)
+    self.lora_o = lora_lib.adapter(cfg, rngs, "o", "wo_HED", *o, num_in=2)
     # Static (hashable) so it stays out of the param state; inv_freq is a trace-time constant.
     self.rope = (e, cfg.rope_theta, cfg.rope_scaling)
     self.impl = cfg.attention_impl
@@ -189,11 +214,11 @@ class Attention(nnx.Module):
                               ("block_q", block_q or None), ("block_k", block_k or None))
     self.dtype = jnp.dtype(cfg.dtype)
 
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT):
-    dt = self.dtype
-    q_BTHE = dense(x_BTD, self.wq_DHE[...].astype(dt))
-    k_BTKE = dense(x_BTD, self.wk_DKE[...].astype(dt))
-    v_BTKE = dense(x_BTD, self.wv_DKE[...].astype(dt))
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None):
+    proj = functools.partial(project, dtype=self.dtype, dropout_key=dropout_key)
+    q_BTHE = proj(x_BTD, self.wq_DHE, self.lora_q)
+    k_BTKE = proj(x_BTD, self.wk_DKE, self.lora_k)
+    v_BTKE = proj(x_BTD, self.wv_DKE, self.lora_v)
     q_BTHE = checkpoint_name(shard(q_BTHE, ("act_batch", "act_length", "act_heads", None)),
                              "query_proj")
     k_BTKE = checkpoint_name(shard(k_BTKE, ("act_batch", "act_length", "act_kv_heads", None)),
@@ -207,7 +232,7 @@ class Attention(nnx.Module):
     out_BTHE = attention_lib.attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, impl=self.impl,
                                        **dict(self.attention_options))
     b, t, h, e = out_BTHE.shape
-    out_BTD = dense(out_BTHE.reshape(b, t, h * e), self.wo_HED[...].astype(dt).reshape(h * e, -1))
+    out_BTD = proj(out_BTHE.reshape(b, t, h * e), self.wo_HED, self.lora_o, num_in=2)
     return shard(out_BTD, ("act_batch", "act_length", "act_embed"))
 
 
@@ -216,19 +241,23 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, f = cfg.d_model, cfg.mlp_dim
-    pd = jnp.dtype(cfg.param_dtype)
     out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-    self.w_gate_DF = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std, pd)
-    self.w_up_DF = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std, pd)
-    self.w_down_FD = _param(rngs, (f, d), ("mlp", "embed"), out_std, pd)
+    up = (d, f), ("embed", "mlp")
+    down = (f, d), ("mlp", "embed")
+    self.w_gate_DF = _weight(cfg, rngs, *up, cfg.init_std)
+    self.w_up_DF = _weight(cfg, rngs, *up, cfg.init_std)
+    self.w_down_FD = _weight(cfg, rngs, *down, out_std)
+    self.lora_gate = lora_lib.adapter(cfg, rngs, "gate", "w_gate_DF", *up)
+    self.lora_up = lora_lib.adapter(cfg, rngs, "up", "w_up_DF", *up)
+    self.lora_down = lora_lib.adapter(cfg, rngs, "down", "w_down_FD", *down)
     self.dtype = jnp.dtype(cfg.dtype)
 
-  def __call__(self, x_BTD):
-    dt = self.dtype
-    gate_BTF = dense(x_BTD, self.w_gate_DF[...].astype(dt))
-    up_BTF = dense(x_BTD, self.w_up_DF[...].astype(dt))
+  def __call__(self, x_BTD, dropout_key=None):
+    proj = functools.partial(project, dtype=self.dtype, dropout_key=dropout_key)
+    gate_BTF = proj(x_BTD, self.w_gate_DF, self.lora_gate)
+    up_BTF = proj(x_BTD, self.w_up_DF, self.lora_up)
     h_BTF = shard(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp"))
-    out_BTD = dense(h_BTF, self.w_down_FD[...].astype(dt))
+    out_BTD = proj(h_BTF, self.w_down_FD, self.lora_down)
     return shard(out_BTD, ("act_batch", "act_length", "act_embed"))
 
 
@@ -241,14 +270,15 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT):
-    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT)
-    return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None):
+    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, dropout_key)
+    return x_BTD + self.mlp(self.mlp_norm(x_BTD), dropout_key)
 
 
 class Llama(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    lora_lib.check_config(cfg)
     self.cfg = cfg
     pd = jnp.dtype(cfg.param_dtype)
     self.embed_VD = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
@@ -271,8 +301,13 @@ class Llama(nnx.Module):
     w_DV = self.embed_VD[...].T if self.cfg.tie_embeddings else self.head_DV[...]
     return w_DV.astype(self.cfg.dtype)
 
-  def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None) -> jax.Array:
-    """Final-normed hidden states [B, T, D]; the loss applies the head in chunks."""
+  def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
+                    dropout_key=None) -> jax.Array:
+    """Final-normed hidden states [B, T, D]; the loss applies the head in chunks.
+
+    `dropout_key`: LoRA dropout (training); None (eval, generation) runs without. Each layer
+    gets its own key from it, and each adapter folds in its projection's index.
+    """
     cfg = self.cfg
     b, t = tokens_BT.shape
     if positions_BT is None:
@@ -282,28 +317,33 @@ class Llama(nnx.Module):
     table_VD = shard(self.embed_VD[...].astype(cfg.dtype), (None, None))
     x_BTD = jnp.take(table_VD, tokens_BT, axis=0)
     x_BTD = shard(x_BTD, ("act_batch", "act_length", "act_embed"))
+    layer_keys = None
+    if dropout_key is not None and cfg.lora_rank > 0 and cfg.lora_dropout > 0:
+      layer_keys = jax.random.split(dropout_key, cfg.num_layers)
 
-    def block_fn(block, x_BTD):
-      return block(x_BTD, positions_BT, segment_ids_BT)
+    def block_fn(block, x_BTD, key):
+      return block(x_BTD, positions_BT, segment_ids_BT, key)
 
     policy_name = cfg.remat_policy
     if policy_name != "none":
       block_fn = nnx.remat(block_fn, policy=remat_policy(policy_name),
                            prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
-      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+      # The layer keys are scanned over with the layers (None: nothing to scan).
+      @nnx.scan(in_axes=(nnx.Carry, 0, None if layer_keys is None else 0), out_axes=nnx.Carry,
                 transform_metadata={nnx.PARTITION_NAME: "layers"})
-      def run_stack(x_BTD, block):
-        return block_fn(block, x_BTD)
-      x_BTD = run_stack(x_BTD, self.layers)
+      def run_stack(x_BTD, block, key):
+        return block_fn(block, x_BTD, key)
+      x_BTD = run_stack(x_BTD, self.layers, layer_keys)
     else:
-      for block in self.layers:
-        x_BTD = block_fn(block, x_BTD)
+      for i, block in enumerate(self.layers):
+        x_BTD = block_fn(block, x_BTD, None if layer_keys is None else layer_keys[i])
     return self.final_norm(x_BTD)
 
-  def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None) -> jax.Array:
+  def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
+               dropout_key=None) -> jax.Array:
     """Logits [B, T, V] in float32 (for generation and interop; training uses the chunked loss)."""
-    x_BTD = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT)
+    x_BTD = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT, dropout_key=dropout_key)
     logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.head_weights(),
                             preferred_element_type=jnp.float32)
     return shard(logits_BTV, ("act_batch", "act_length", "act_vocab"))

@@ -27,7 +27,7 @@ from jaxtrain.data import shards as data_shards
 from jaxtrain.checkpoint import Checkpointer, abstract_like, load_params
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import optim
-from jaxtrain.config import MeshShape
+from jaxtrain.config import ConfigError, MeshShape
 from jaxtrain.health import LossSpikeDetector, check_bad_streak
 from jaxtrain.mesh import batch_sharding, make_mesh
 from jaxtrain.model import ModelConfig
@@ -96,6 +96,10 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
   if lora:
     from jaxtrain import peft  # pylint: disable=import-outside-toplevel
     base_cfg = peft.plain_config(model_cfg)
+    try:  # before jit meets shards it cannot split evenly
+      peft.check_mesh(model_cfg, mesh)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
   _, abstract_base, base_shardings = abstract_model(base_cfg, mesh)
   tx = optim.make_optimizer(config)
   schedule = optim.learning_rate_schedule(config)
@@ -103,8 +107,11 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
   frozen_shardings, make_frozen = None, None
   if lora:
     frozen_shardings = Frozen(base=rest_shardings)
+    # The loaded base is not needed afterwards: its buffers become the frozen ones, unless
+    # quantized (new shapes: donating would only warn).
     make_frozen = jax.jit(lambda base: Frozen(base=peft.frozen_from_base(base, model_cfg)),
-                          out_shardings=frozen_shardings, donate_argnums=0)
+                          out_shardings=frozen_shardings,
+                          donate_argnums=0 if model_cfg.base_quant == "none" else ())
   elif objective == "dpo":
     # Full fine-tuning: the reference is a frozen copy of the initial params.
     frozen_shardings = Frozen(reference=param_shardings)
