@@ -34,15 +34,19 @@ def load_plain_model(checkpoint: str, config, mesh: Mesh, model_cfg: ModelConfig
   adapters, source = ckpt_lib.load_params(checkpoint, abstract_adapters)
   plain_cfg = peft.plain_config(cfg)
   plain_graphdef, abstract_base, base_shardings = abstract_model(plain_cfg, mesh)
-  init_from = config.checkpoint.init_from
+  # The base the run actually trained on: its saved config's (command-line overrides included)
+  # when the checkpoint is a run's, else the given config's.
+  saved = ckpt_lib.saved_config(checkpoint)
+  init_from = (saved or config.to_dict())["checkpoint"]["init_from"]
+  seed = (saved or config.to_dict())["train"]["seed"]
   with jax.set_mesh(mesh):
     if init_from:
       base, _ = ckpt_lib.load_params(init_from, abstract_base)
     else:  # the trainer's random base of a run without init_from: same seed, same weights
       base = jax.jit(init_params_fn(plain_cfg), out_shardings=base_shardings)(
-          jax.random.key(config.train.seed))
+          jax.random.key(seed))
     frozen = jax.jit(lambda b: peft.frozen_from_base(b, cfg), out_shardings=frozen_shardings,
-                     donate_argnums=0)(base)
+                     donate_argnums=0 if cfg.base_quant == "none" else ())(base)
     merged = jax.jit(lambda a, f: peft.merged_params(nnx.merge(graphdef, a, f)),
                      out_shardings=base_shardings)(adapters, frozen)
   return nnx.merge(plain_graphdef, merged), source

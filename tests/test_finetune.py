@@ -6,7 +6,15 @@ import os
 import subprocess
 import sys
 
+import jax
+import ml_collections
+import numpy as np
 import pytest
+
+from jaxtrain import run_weights
+from jaxtrain.checkpoint import saved_config
+from jaxtrain.interop import hf
+from jaxtrain.mesh import make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,13 +32,55 @@ def _run(config, workdir, *overrides):
   return proc.stdout, train, evals
 
 
+def _generate(checkpoint, prompt):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  cmd = [sys.executable, "-m", "jaxtrain.generate", f"--checkpoint={checkpoint}",
+         f"--prompt={prompt}", "--max_new_tokens=8"]
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return proc.stdout
+
+
 @pytest.mark.slow
-def test_sft_loss_on_completions_falls(tmp_path):
-  out, train, evals = _run("sft_tiny.py", tmp_path, "--config.train.steps=40",
-                           "--config.train.eval_every=20")
+def test_sft_then_lora_then_qlora_from_it(tmp_path):
+  """Full SFT makes a base; sft_lora_tiny and qlora_tiny fine-tune it further (loss on
+  completions falls in each), checkpointing only adapters; generation merges them."""
+  out, train, evals = _run("sft_tiny.py", tmp_path / "sft", "--config.train.steps=30",
+                           "--config.train.eval_every=30", "--config.checkpoint.every_steps=30")
   assert "whole records" in out and "packing efficiency" in out
   assert train[-1]["loss"] < train[0]["loss"] - 0.8, [r["loss"] for r in train]
-  assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+  base = tmp_path / "sft"
+  sizes = {}
+  for config in ("sft_lora_tiny.py", "qlora_tiny.py"):
+    workdir = tmp_path / config.split(".")[0]
+    out, train, _ = _run(config, workdir, "--config.train.steps=20",
+                         "--config.train.eval_every=20", "--config.checkpoint.every_steps=20",
+                         f"--config.checkpoint.init_from={base}")
+    assert "adapter params" in out and f"frozen base weights from {base}" in out
+    # The adapters start at zero effect, so the first logged loss is the base's own.
+    assert train[-1]["loss"] < train[0]["loss"] - 0.02, [r["loss"] for r in train]
+    sizes[config] = sum(f.stat().st_size for f in (workdir / "checkpoints" / "20").rglob("*")
+                        if f.is_file())
+  assert "stored nf4" in out
+  full = sum(f.stat().st_size for f in (base / "checkpoints" / "30").rglob("*") if f.is_file())
+  assert sizes["sft_lora_tiny.py"] < full / 4, (sizes, full)  # adapters and their Adam moments
+  generated = _generate(tmp_path / "qlora_tiny", "reverse: abc\n")
+  assert "--- prompt: 'reverse: abc" in generated
+
+  # Export without --config: the run's saved config names its base; the Hugging Face model is
+  # the merged one.
+  export = [sys.executable, "-m", "jaxtrain.interop.hf", "export",
+            f"--checkpoint={tmp_path / 'qlora_tiny'}", f"--out={tmp_path / 'hf'}"]
+  proc = subprocess.run(export, cwd=REPO, capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  exported, _ = hf.load_model(str(tmp_path / "hf"))
+  config = ml_collections.ConfigDict(saved_config(str(tmp_path / "qlora_tiny")))
+  merged, _ = run_weights.load_plain_model(str(tmp_path / "qlora_tiny"), config,
+                                           make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+  tokens = np.arange(24, dtype=np.int32).reshape(2, 12) + 97
+  np.testing.assert_allclose(np.asarray(exported(tokens)), np.asarray(merged(tokens)),
+                             atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -398,15 +398,19 @@ def export_command(checkpoint: str, config_path: str | None, out: str, dtype: st
   # pylint: disable-next=import-outside-toplevel
   from jaxtrain.run_weights import load_plain_model, plain_run_config
 
+  from jaxtrain.checkpoint import saved_config  # pylint: disable=import-outside-toplevel
+  saved = None
   if config_path is None:
     config_path = os.path.join(checkpoint, "config.py")
-    if not os.path.isfile(config_path):
-      raise HFFormatError(f"--config: required, since {checkpoint} has no config.py; give the "
-                          f"config file the run was trained with")
-  if not os.path.isfile(config_path):
+    saved = None if os.path.isfile(config_path) else saved_config(checkpoint)
+    if not os.path.isfile(config_path) and saved is None:
+      raise HFFormatError(f"--config: required, since {checkpoint} has neither config.py nor a "
+                          f"run's saved config; give the config file the run was trained with")
+  elif not os.path.isfile(config_path):
     raise HFFormatError(f"--config={config_path}: no such file")
   _existing_weights(out, overwrite)  # before minutes of loading, not after
-  config = load_config_file(config_path)
+  # A run's checkpoint carries the resolved config it trained with (overrides included).
+  config = ml_collections.ConfigDict(saved) if saved else load_config_file(config_path)
   cfg = ModelConfig.from_config(config)
   # A LoRA run's adapters are merged into its base here: the export is a plain Llama.
   model, _ = load_plain_model(checkpoint, config, _host_mesh(cfg))
@@ -447,7 +451,8 @@ def _parser() -> argparse.ArgumentParser:
   exp.add_argument("--checkpoint", required=True,
                    help="weights directory, run workdir, or checkpoint step directory")
   exp.add_argument("--config", default=None,
-                   help="config file of the model (default: CHECKPOINT/config.py)")
+                   help="config file of the model (default: CHECKPOINT/config.py, else the "
+                        "config a run saved with its checkpoint)")
   exp.add_argument("--out", required=True, help="Hugging Face directory to create")
   exp.add_argument("--dtype", default=None, choices=hf_config.DTYPES,
                    help="dtype of the written tensors (default: the parameters' dtype)")
