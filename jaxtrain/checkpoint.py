@@ -4,22 +4,28 @@ Layout: WORKDIR/checkpoints/<step>/{state, data, meta}. Orbax writes each checkp
 temporary name and renames it when complete, so a step directory that exists is whole; the
 last good checkpoint is never deleted before a newer one is committed (Orbax deletes old ones
 only after a save finishes).
+
+data/ holds one file per data shard, `shard_<s>-of-<S>.json` (the grain iterator state), written
+by one process that reads the shard: a run on another number of processes reads the shards it
+now owns, so the data stream resumes exactly (jaxtrain/data/shards.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import re
 import time
 from typing import Any
 
-import grain
 from absl import logging as absl_logging
 import jax
 import orbax.checkpoint as ocp
 
 from jaxtrain.config import ConfigError
+from jaxtrain.data.shards import ShardedIterator
 
 
 class Checkpointer:
@@ -37,7 +43,7 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(
         self.directory, options=options, item_names=("state", "data", "meta"),
         item_handlers={"state": ocp.StandardCheckpointHandler(),
-                       "data": grain.checkpoint.CheckpointHandler(),
+                       "data": DataShardsHandler(),
                        "meta": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
@@ -49,7 +55,7 @@ class Checkpointer:
   def save(self, step: int, state: Any, data_iterator, meta: dict) -> None:
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
-        data=grain.checkpoint.CheckpointSave(data_iterator),
+        data=DataShardsSave(_as_sharded(data_iterator)),
         meta=ocp.args.JsonSave(meta)), force=True)
 
   def restore(self, step: int, abstract_state: Any, data_iterator) -> tuple[Any, dict]:
@@ -63,7 +69,7 @@ class Checkpointer:
                         f"config it was saved with, or another --workdir")
     restored = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state),
-        data=grain.checkpoint.CheckpointRestore(data_iterator),
+        data=DataShardsRestore(_as_sharded(data_iterator)),
         meta=ocp.args.JsonRestore()))
     return restored.state, restored.meta
 
@@ -97,6 +103,85 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def _as_sharded(data_iterator) -> ShardedIterator:
+  """A plain grain iterator is this process's one shard (data.num_shards=0)."""
+  if isinstance(data_iterator, ShardedIterator):
+    return data_iterator
+  return ShardedIterator({jax.process_index(): data_iterator}, jax.process_count())
+
+
+class DataShardsHandler:
+  """Orbax CheckpointHandler for a ShardedIterator: one JSON file per data shard.
+
+  Reads checkpoints of grain's own handler too (`process_<p>-of-<P>.json`): process p of P
+  there is shard p of P here.
+  """
+
+  def save(self, directory, item=None, args=None):
+    it = item or args.item
+    for shard, state in it.shard_states().items():
+      (directory / _shard_file(shard, it.num_shards)).write_text(json.dumps(state, indent=1))
+
+  def restore(self, directory, item=None, args=None):
+    it = item or args.item
+    states = {}
+    for shard in it.shards:
+      for name in (_shard_file(shard, it.num_shards), f"process_{shard}-of-{it.num_shards}.json"):
+        if (directory / name).exists():
+          states[shard] = json.loads((directory / name).read_text())
+          break
+      else:
+        raise ConfigError(_missing_shard_message(directory, shard, it.num_shards))
+    it.set_shard_states(states)
+    it.start_prefetch()
+    return it
+
+  # The rest of Orbax's CheckpointHandler protocol: nothing to report or clean up.
+  def structure(self, directory):
+    del directory
+
+  def metadata(self, directory):
+    del directory
+
+  def finalize(self, directory):
+    del directory
+
+  def close(self):
+    pass
+
+  @classmethod
+  def typestr(cls):
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@ocp.args.register_with_handler(DataShardsHandler, for_save=True)
+@dataclasses.dataclass
+class DataShardsSave(ocp.args.CheckpointArgs):
+  item: ShardedIterator
+
+
+@ocp.args.register_with_handler(DataShardsHandler, for_restore=True)
+@dataclasses.dataclass
+class DataShardsRestore(ocp.args.CheckpointArgs):
+  item: ShardedIterator
+
+
+def _shard_file(shard: int, num_shards: int) -> str:
+  return f"shard_{shard}-of-{num_shards}.json"
+
+
+def _missing_shard_message(directory, shard: int, num_shards: int) -> str:
+  saved = sorted({int(m.group(1)) for p in directory.iterdir()
+                  if (m := re.fullmatch(r"(?:shard|process)_\d+-of-(\d+)\.json", p.name))})
+  if not saved:
+    return f"checkpoint {directory}: no data-iterator state for data shard {shard}"
+  was = saved[0]
+  return (f"checkpoint {directory.parent}: its data stream was saved as {was} data shards, "
+          f"this run reads {num_shards} (data.num_shards, 0: one per process), so the data "
+          f"cannot resume exactly; run with --config.data.num_shards={was} on a process count "
+          f"that divides {was}")
 
 
 def save_params(directory: str, params: Any) -> str:

@@ -77,6 +77,12 @@ def default_config() -> ml_collections.ConfigDict:
   c.mesh.data = 1
   c.mesh.fsdp = -1  # -1: all devices not used by the other axes
   c.mesh.tensor = 1
+  # Multi-host: how many groups of hosts (TPU slices, else processes) the data and fsdp axes
+  # span over the data-center network; each group holds mesh.data/dcn_data x
+  # mesh.fsdp/dcn_fsdp x mesh.tensor devices linked by ICI/NVLink. 1 and 1 in a multi-process
+  # run without slices: one flat mesh over all devices.
+  c.mesh.dcn_data = 1
+  c.mesh.dcn_fsdp = 1
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 1000
@@ -154,7 +160,20 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.on_decode_error = "fail"  # text files: "fail" on invalid UTF-8, or "replace"
   c.data.eval_fraction = 0.02
   c.data.seed = 0
-  c.data.num_workers = 0
+  c.data.num_workers = 0  # grain worker processes per data shard
+  # Virtual data shards S: shard s reads the pieces (or documents) s::S and gives B/S rows of
+  # every global batch of B, in shard order; each process reads only its own shards. A fixed S
+  # makes the global batches the same for any process count dividing S, so a checkpoint
+  # resumes exactly on another number of hosts (docs/launch.md). 0: one shard per process.
+  c.data.num_shards = 0
+
+  # Multi-process runs (jaxtrain/distributed.py); ignored by a single process.
+  c.distributed = ml_collections.ConfigDict()
+  # A process silent this long (died, hung, lost its network) stops every other process with
+  # an error, instead of leaving them waiting in a collective.
+  c.distributed.heartbeat_timeout_s = 60
+  c.distributed.initialization_timeout_s = 300  # how long to wait for all processes to start
+  c.distributed.shutdown_timeout_s = 300  # at the end, how long to wait for the slowest
 
   c.checkpoint = ml_collections.ConfigDict()
   # Save every N steps and at the end (0: no checkpoints). The same command with the same
@@ -255,10 +274,13 @@ def _positive(config, key: str):
     raise ConfigError(f"{key}={node}: must be a positive number")
 
 
-def validate(config, num_devices: int, platform: str = "cpu") -> MeshShape:
+def validate(config, num_devices: int, platform: str = "cpu", *,
+             num_processes: int | None = None, num_slices: int = 1) -> MeshShape:
   """Checks everything that can be checked before compiling. Returns the resolved mesh shape.
 
   `platform` is the JAX backend ("cpu", "gpu", "tpu") for backend-specific choices.
+  `num_processes` and `num_slices` (TPU slices) are the run's hosts, for the multi-host keys;
+  None (dry runs, which emulate devices in one process) skips the checks against them.
 
   Raises ConfigError with one line: the key, the bad value, and how to fix it.
   """
@@ -361,7 +383,60 @@ def validate(config, num_devices: int, platform: str = "cpu") -> MeshShape:
     raise ConfigError(f"data.num_workers={config.data.num_workers}: must be >= 0")
   if not 0.0 < config.data.eval_fraction < 1.0:
     raise ConfigError(f"data.eval_fraction={config.data.eval_fraction}: must be in (0, 1)")
+  _check_multihost(config, mesh, num_processes, num_slices)
   return mesh
+
+
+def _check_multihost(config, mesh: MeshShape, num_processes: int | None, num_slices: int):
+  """mesh.dcn_*, data.num_shards and distributed.* (see default_config)."""
+  dcn = {}
+  for axis in ("data", "fsdp"):
+    size, whole = config.mesh[f"dcn_{axis}"], getattr(mesh, axis)
+    if not isinstance(size, int) or size < 1:
+      raise ConfigError(f"mesh.dcn_{axis}={size}: must be a positive number of host groups (1: "
+                        f"the {axis} axis stays within each host or slice)")
+    if whole % size:
+      raise ConfigError(f"mesh.dcn_{axis}={size}: does not divide mesh.{axis}={whole}; the "
+                        f"{axis} axis is split into {size} groups across hosts, so make "
+                        f"mesh.{axis} a multiple of {size}, e.g. --config.mesh.{axis}={size}")
+    dcn[axis] = size
+  product = dcn["data"] * dcn["fsdp"]
+  if num_processes is not None and (product > 1 or num_slices > 1):
+    groups, what = (num_slices, "TPU slices") if num_slices > 1 else (num_processes, "processes")
+    if groups == 1:
+      raise ConfigError(f"mesh.dcn_data*mesh.dcn_fsdp={dcn['data']}*{dcn['fsdp']}={product}: "
+                        f"this run is a single process, with no other hosts to span; set "
+                        f"mesh.dcn_data=1 and mesh.dcn_fsdp=1 (for multi-process runs)")
+    if product != groups:
+      flat = "" if num_slices > 1 else ", or 1*1 for one flat mesh over all devices"
+      raise ConfigError(f"mesh.dcn_data*mesh.dcn_fsdp={dcn['data']}*{dcn['fsdp']}={product}, but "
+                        f"this run has {groups} {what}; make the product {groups} (e.g. "
+                        f"--config.mesh.dcn_data={groups} with mesh.data a multiple of it){flat}")
+  batch, shards = config.train.global_batch_size, config.data.num_shards
+  if not isinstance(shards, int) or shards < 0:
+    raise ConfigError(f"data.num_shards={shards}: must be >= 0 (0: one shard per process)")
+  if shards and batch % shards:
+    raise ConfigError(f"data.num_shards={shards}: must divide train.global_batch_size={batch} "
+                      f"(each shard gives global_batch_size/num_shards rows of every batch); "
+                      f"e.g. {_largest_divisor(batch, shards)}")
+  if num_processes is not None and num_processes > 1:
+    if shards and shards % num_processes:
+      raise ConfigError(f"data.num_shards={shards}: must be a multiple of the {num_processes} "
+                        f"processes, so each reads whole shards; e.g. {num_processes} or "
+                        f"{2 * num_processes}")
+    if not shards and batch % num_processes:
+      raise ConfigError(f"train.global_batch_size={batch}: must be divisible by the "
+                        f"{num_processes} processes (data.num_shards=0: one shard per process); "
+                        f"use a multiple of {num_processes}")
+  check_distributed(config)
+
+
+def check_distributed(config):
+  """distributed.*: checked by validate() and, before JAX starts, by the CLI."""
+  for key in ("heartbeat_timeout_s", "initialization_timeout_s", "shutdown_timeout_s"):
+    value = config.distributed[key]
+    if not isinstance(value, (int, float)) or value < 1:
+      raise ConfigError(f"distributed.{key}={value}: must be at least 1 (seconds)")
 
 
 def lora_targets(config) -> tuple[str, ...]:

@@ -1,7 +1,8 @@
 """CLI: `python -m jaxtrain.main --config=configs/NAME.py [--config.KEY=VALUE ...] [--workdir=DIR]`.
 
 Parses the config, validates it before anything compiles (a bad value prints one line and exits
-with code 2), initializes multi-process JAX when launched that way, and trains; or, with
+with code 2), initializes multi-process JAX when launched that way (jaxtrain/distributed.py;
+errors then name the process and host), and trains; or, with
 `--dry_run [--dry_run_devices=N]`, compiles the train step for N devices and reports whether it
 fits (jaxtrain/dry_run.py).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -27,6 +29,15 @@ _DRY_RUN = flags.DEFINE_bool(
 _DRY_RUN_DEVICES = flags.DEFINE_integer(
     "dry_run_devices", None, "Devices to compile the dry run for (default: this process's); "
     "more than present are emulated as CPU devices in a subprocess.")
+# Multi-process runs; each defaults to its JAX_* environment variable, and all three are found
+# automatically under SLURM and on Cloud TPU pods (see docs/launch.md).
+_COORDINATOR_ADDRESS = flags.DEFINE_string(
+    "coordinator_address", None, "HOST:PORT of process 0's coordination service "
+    "(default: $JAX_COORDINATOR_ADDRESS).")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Processes in the run (default: $JAX_NUM_PROCESSES).")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "This process's index in [0, num_processes) (default: $JAX_PROCESS_ID).")
 
 
 def _default_workdir() -> str:
@@ -35,18 +46,23 @@ def _default_workdir() -> str:
   return os.path.join("runs", name)
 
 
-def _maybe_initialize_distributed():
-  """Multi-process runs: the launcher sets JAX_COORDINATOR_ADDRESS (plus JAX_NUM_PROCESSES and
-  JAX_PROCESS_ID where no cluster environment such as SLURM or a TPU pod provides them)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  if not os.environ.get("JAX_COORDINATOR_ADDRESS"):
-    return
-  kwargs = {}
-  if os.environ.get("JAX_NUM_PROCESSES"):
-    kwargs["num_processes"] = int(os.environ["JAX_NUM_PROCESSES"])
-  if os.environ.get("JAX_PROCESS_ID"):
-    kwargs["process_id"] = int(os.environ["JAX_PROCESS_ID"])
-  jax.distributed.initialize(**kwargs)
+def _initialize_distributed(config):
+  """Joins the multi-process run this process was launched into, if any (before JAX starts)."""
+  from jaxtrain import distributed  # pylint: disable=import-outside-toplevel
+  from jaxtrain.config import ConfigError, check_distributed  # pylint: disable=import-outside-toplevel
+  try:
+    check_distributed(config)
+    layout = distributed.detect({"coordinator_address": _COORDINATOR_ADDRESS.value,
+                                 "num_processes": _NUM_PROCESSES.value,
+                                 "process_id": _PROCESS_ID.value})
+    d = config.distributed
+    distributed.initialize(layout, heartbeat_timeout_s=d.heartbeat_timeout_s,
+                           initialization_timeout_s=d.initialization_timeout_s,
+                           shutdown_timeout_s=d.shutdown_timeout_s)
+  except ConfigError as e:
+    distributed.exit_with_error("config error", str(e), 2)
+  except distributed.DistributedError as e:
+    distributed.exit_with_error("distributed error", str(e), 2)
 
 
 def main(argv):
@@ -60,9 +76,12 @@ def main(argv):
   # console to the run table and progress lines unless the user asks for more (--verbosity).
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  _maybe_initialize_distributed()
+  if not _DRY_RUN.value:  # a dry run compiles for emulated devices in one process
+    _initialize_distributed(config)
   import jax  # pylint: disable=import-outside-toplevel
+  from jaxtrain import distributed  # pylint: disable=import-outside-toplevel
   from jaxtrain.config import ConfigError, validate  # pylint: disable=import-outside-toplevel
+  from jaxtrain.mesh import num_slices  # pylint: disable=import-outside-toplevel
   from jaxtrain import trainer  # pylint: disable=import-outside-toplevel
   from jaxtrain.health import TrainingHealthError  # pylint: disable=import-outside-toplevel
   from jaxtrain.data.sources import DataError  # pylint: disable=import-outside-toplevel
@@ -73,19 +92,28 @@ def main(argv):
       from jaxtrain import dry_run  # pylint: disable=import-outside-toplevel
       sys.exit(dry_run.main(config, _DRY_RUN_DEVICES.value,
                             config_flags.get_config_filename(flags.FLAGS["config"])))
-    mesh_shape = validate(config, jax.device_count(), jax.default_backend())
+    try:
+      mesh_shape = validate(config, jax.device_count(), jax.default_backend(),
+                            num_processes=jax.process_count(), num_slices=num_slices())
+    except ConfigError as e:
+      # Every process checks the same config against the same global devices, so all fail
+      # here alike: they leave together, each saying so, through JAX's shutdown barrier.
+      distributed.exit_with_error("config error", str(e), 2, peers_fail_too=True)
     # Checks that need the data (tokenizer vs vocab, batch vs process count) raise ConfigError
     # from inside run(), still before anything compiles.
     result = trainer.run(config, workdir, mesh_shape)
   except ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
-    sys.exit(2)
+    distributed.exit_with_error("config error", str(e), 2)
   except DataError as e:
-    print(f"data error: {e}", file=sys.stderr)
-    sys.exit(2)
+    distributed.exit_with_error("data error", str(e), 2)
   except TrainingHealthError as e:
-    print(f"training stopped: {e}", file=sys.stderr)
-    sys.exit(1)
+    distributed.exit_with_error("training stopped", str(e), 1)
+  except Exception as e:  # pylint: disable=broad-except
+    if not distributed.whereabouts():
+      raise  # one process: the usual traceback and exit code
+    traceback.print_exc()
+    distributed.exit_with_error("error", f"{type(e).__name__}: {_first_line(e)}"
+                                f"{distributed.explain_runtime_error(e)}", 1)
   if result["preempted_at"] is not None:
     return  # exit 0: a preempted run that saved its state is not a failure
   if jax.process_index() == 0:
@@ -93,6 +121,11 @@ def main(argv):
           f"eval loss {result['eval_loss']:.4f}; "
           f"metrics in {os.path.join(workdir, 'metrics.jsonl')}",
           flush=True)
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip()
+  return text.splitlines()[0][:500] if text else ""
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -28,6 +29,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("head_dim", None),
     ("norm", None),
     ("layers", None),
+    ("lora_rank", None),  # LoRA adapters: the rank dim is small; shard only their I/O dims
     # activations: the batch is split over every data-parallel axis; the model dim is whole on
     # each device between layers (fsdp gathers weights, not activations).
     ("act_batch", BATCH_AXES),
@@ -42,8 +44,15 @@ _RULES = dict(LOGICAL_RULES)
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
+              devices: Sequence[jax.Device] | None = None, *, dcn_data: int = 1,
+              dcn_fsdp: int = 1) -> Mesh:
   """A (data, fsdp, tensor) mesh over `devices` (default: all). One size may be -1 (the rest).
+
+  With dcn_data or dcn_fsdp > 1 the mesh is hybrid: the devices form dcn_data*dcn_fsdp groups
+  (TPU slices, or processes where devices have no slices, as on GPU hosts and CPU), each laid
+  out as (data/dcn_data, fsdp/dcn_fsdp, tensor) over its fast interconnect (ICI, NVLink), and
+  the groups are tiled along data and fsdp, so only those axes cross the slower data-center
+  network. Tensor parallelism never leaves a group.
 
   Axes are Auto (GSPMD propagation): the model states shardings for params and a few activation
   constraints, and XLA chooses the collectives.
@@ -61,8 +70,33 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
   if int(np.prod(sizes)) != len(devices):
     raise ValueError(f"mesh data*fsdp*tensor={sizes} has {int(np.prod(sizes))} devices, but "
                      f"{len(devices)} are present")
-  return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
-                       devices=devices)
+  axis_types = (AxisType.Auto,) * 3
+  if dcn_data * dcn_fsdp == 1:
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=axis_types, devices=devices)
+  if sizes[0] % dcn_data or sizes[1] % dcn_fsdp:
+    raise ValueError(f"mesh data={sizes[0]} fsdp={sizes[1]} is not divisible by dcn_data="
+                     f"{dcn_data} dcn_fsdp={dcn_fsdp}")
+  ici = (sizes[0] // dcn_data, sizes[1] // dcn_fsdp, sizes[2])
+  grid = mesh_utils.create_hybrid_device_mesh(
+      ici, (dcn_data, dcn_fsdp, 1), devices, process_is_granule=num_slices(devices) == 1)
+  return Mesh(grid, MESH_AXES, axis_types=axis_types)
+
+
+def num_slices(devices: Sequence[jax.Device] | None = None) -> int:
+  """TPU slices the devices span (multislice); 1 where devices have no slices (GPU, CPU)."""
+  devices = jax.devices() if devices is None else devices
+  return len({getattr(d, "slice_index", 0) for d in devices})
+
+
+def batch_rows_by_process(mesh: Mesh, batch_size: int) -> dict[int, np.ndarray]:
+  """The rows of a global [batch_size, ...] batch each process's devices hold under
+  `batch_sharding` (sorted): what that process must load. Processes whose devices are replicas
+  of each other get the same rows."""
+  rows: dict[int, set[int]] = {}
+  indices = batch_sharding(mesh, 1).devices_indices_map((batch_size,))
+  for device, (index,) in indices.items():
+    rows.setdefault(device.process_index, set()).update(range(*index.indices(batch_size)))
+  return {p: np.array(sorted(r), dtype=np.int64) for p, r in sorted(rows.items())}
 
 
 def logical_to_spec(names: Sequence[str | None]) -> P:

@@ -72,38 +72,6 @@ def test_rerun_in_same_workdir_keeps_previous_metrics(tmp_path):
   assert "kept as" in proc.stdout
 
 
-def _free_port():
-  import socket  # pylint: disable=import-outside-toplevel
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_two_processes_train_over_one_global_mesh(tmp_path):
-  """2 processes × 4 CPU devices (gloo collectives): one 8-device mesh, per-process data."""
-  port = _free_port()
-  procs = []
-  for i in range(2):
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-               JAX_PROCESS_ID=str(i))
-    cmd = [sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py",
-           f"--workdir={tmp_path / str(i)}", *SMALL, "--config.train.steps=4",
-           "--config.train.log_every=1", "--config.train.eval_every=4",
-           "--config.mesh.data=2", "--config.mesh.fsdp=-1"]
-    procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True))
-  outs = [p.communicate(timeout=300)[0] for p in procs]
-  assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
-  assert "8 × cpu (2 process(es))" in outs[0]
-  with open(tmp_path / "0" / "metrics.jsonl", encoding="utf-8") as f:
-    records = [json.loads(line) for line in f]
-  assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
-  assert not os.path.exists(tmp_path / "1" / "metrics.jsonl")  # only process 0 writes
-
-
 @pytest.mark.slow
 def test_prepare_then_train_on_the_shards(tmp_path):
   """JSONL + a freshly trained BPE → `jaxtrain.data.prepare` → training from the shards."""

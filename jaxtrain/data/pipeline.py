@@ -4,13 +4,15 @@ Stages, each replaceable on its own when real tokenized corpora arrive:
   1. source: random access to documents as token arrays (`data.source` picks one),
   2. pieces: every document cut into pieces of at most T+1 tokens (T = train.seq_len), so each
      piece gives at most T (input, target) pairs and every target token is predicted once,
-  3. a per-process slice of the pieces, shuffled by `data.seed`, reshuffled every epoch,
+  3. one data shard's slice of the pieces (shard s of S: pieces s::S; a shard is a process
+     unless data.num_shards fixes S, see shards.py), shuffled by `data.seed`, reshuffled every
+     epoch,
   4. first-fit packing of pieces into rows of T (grain), which keeps each piece whole; the
      packer emits rows in shuffled groups of `_NUM_PACKING_BINS`, so epoch edges blur by up to
      that many rows,
   5. batching to [B_local, T] and the trainer's batch format (`BATCH_KEYS`).
 
-Batch format, every array [B_local, T] with B_local = train.global_batch_size // process_count:
+Batch format, every array [B_local, T] with B_local = train.global_batch_size // S:
   inputs       int32    token ids
   targets      int32    next token ids (for a piece p: inputs = p[:-1], targets = p[1:])
   loss_mask    float32  1.0 where the target is real, 0.0 on padding
@@ -385,9 +387,10 @@ def _token_pieces(source, config, *, seed, shuffle, process_index, process_count
 
 def make_train_iterator(config, *, process_index: int = 0,
                         process_count: int = 1) -> grain.DatasetIterator:
-  """Infinite iterator over this process's training batches (see module doc for the format).
+  """Infinite iterator over one data shard's training batches (see module doc for the format):
+  shard `process_index` of `process_count` (ShardPlan.train_iterator combines several).
 
-  Deterministic given `data.seed`, the process index/count and `data.num_workers` (grain's
+  Deterministic given `data.seed`, the shard index/count and `data.num_workers` (grain's
   multiprocessing packs per worker, so changing the worker count changes the stream). Supports
   `get_state()` / `set_state()` for exact resumption (the state is JSON-serializable). With
   workers, call `close()` when done; spawned workers re-import `__main__`, so scripts need an
