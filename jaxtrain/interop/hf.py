@@ -322,7 +322,15 @@ def _host_mesh(cfg: ModelConfig) -> Mesh:
   """All local devices along fsdp when the model dim splits evenly over them, else one."""
   n = jax.local_device_count()
   if n > 1 and cfg.d_model % n == 0:
-    return make_mesh(1, n, 1, devices=jax.local_devices())
+    mesh = make_mesh(1, n, 1, devices=jax.local_devices())
+    if cfg.base_quant == "none":
+      return mesh
+    from jaxtrain import peft  # pylint: disable=import-outside-toplevel
+    try:  # a QLoRA run's quantization groups must split evenly too
+      peft.check_mesh(cfg, mesh)
+      return mesh
+    except ValueError:
+      pass
   return default_mesh()
 
 
@@ -402,7 +410,11 @@ def export_command(checkpoint: str, config_path: str | None, out: str, dtype: st
   saved = None
   if config_path is None:
     config_path = os.path.join(checkpoint, "config.py")
-    saved = None if os.path.isfile(config_path) else saved_config(checkpoint)
+    if not os.path.isfile(config_path):
+      try:
+        saved = saved_config(checkpoint)
+      except ConfigError:  # not a run's checkpoint either: the message below says what to pass
+        saved = None
     if not os.path.isfile(config_path) and saved is None:
       raise HFFormatError(f"--config: required, since {checkpoint} has neither config.py nor a "
                           f"run's saved config; give the config file the run was trained with")
