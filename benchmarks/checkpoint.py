@@ -17,7 +17,7 @@ import time
 import jax
 import numpy as np
 
-from jaxtrain import data, trainer
+from jaxtrain import data, train_setup
 from jaxtrain.checkpoint import Checkpointer, abstract_like
 from jaxtrain.config import load_config_file
 from jaxtrain.mesh import make_mesh
@@ -38,8 +38,8 @@ def measure(size: str, repeats: int) -> tuple[int, float, float, float, float]:
   """(params, bytes, async block s, sync s, restore s), medians over `repeats` saves."""
   c = config_for(size)
   mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-  setup = trainer.build(c, mesh)
-  state = trainer.init_state(setup, 0)
+  setup = train_setup.build(c, mesh)
+  state = train_setup.init_state(setup, 0)
   it = data.make_train_iterator(c)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   with tempfile.TemporaryDirectory() as root:

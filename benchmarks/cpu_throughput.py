@@ -38,7 +38,7 @@ import jax  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 from jaxtrain import metrics as metrics_lib  # pylint: disable=wrong-import-position
-from jaxtrain import trainer  # pylint: disable=wrong-import-position
+from jaxtrain import train_setup, trainer  # pylint: disable=wrong-import-position
 from jaxtrain.config import default_config  # pylint: disable=wrong-import-position
 from jaxtrain.mesh import make_mesh  # pylint: disable=wrong-import-position
 from jaxtrain.train_step import batch_shardings  # pylint: disable=wrong-import-position
@@ -79,14 +79,14 @@ def synthetic_batch(seed: int) -> dict[str, np.ndarray]:
 
 def _setup(config):
   mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-  return mesh, trainer.build(config, mesh)
+  return mesh, train_setup.build(config, mesh)
 
 
 def train_throughput(config, steps: int) -> dict[str, float]:
   """Median step time over `steps` timed steps after two warm-up steps (compile excluded)."""
   mesh, setup = _setup(config)
   with jax.set_mesh(mesh):
-    state = trainer.init_state(setup, seed=0)
+    state = train_setup.init_state(setup, seed=0)
     batches = [trainer.to_global_batch(synthetic_batch(i), mesh) for i in range(4)]
     for i in range(2):
       state, out = setup.train_step(state, batches[i])

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxtrain import trainer
+from jaxtrain import train_setup, trainer
 from jaxtrain.config import default_config
 from jaxtrain.mesh import LOGICAL_RULES, make_mesh
 from jaxtrain.model import Llama, ModelConfig
@@ -54,8 +54,8 @@ def time_steps(step_fn, steps: int) -> float:
 
 def ours(c, steps: int) -> float:
   mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-  setup = trainer.build(c, mesh)
-  holder = {"state": trainer.init_state(setup, 0)}
+  setup = train_setup.build(c, mesh)
+  holder = {"state": train_setup.init_state(setup, 0)}
   batch = trainer.to_global_batch(batch_of(c), mesh)
 
   def step():

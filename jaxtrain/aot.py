@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import dpo, hlo_flops, metrics
+from jaxtrain import dpo, hlo_flops, metrics, train_setup
 from jaxtrain.config import MeshShape, validate
 from jaxtrain.mesh import batch_sharding, make_mesh
 from jaxtrain.model import ModelConfig
@@ -147,15 +147,13 @@ def _param_shards(tree, prefix: str = "") -> list[ParamShard]:
 
 
 def _compile_and_measure(config, devices) -> Measurement:
-  # Imported here: the trainer pulls in the data pipeline, which a dry run needs only for this.
-  from jaxtrain import trainer  # pylint: disable=import-outside-toplevel
   backend = devices[0].platform
   mesh_shape = validate(config, len(devices), "gpu" if backend == "cpu" else backend)
   mesh = make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor, devices=devices)
   model_cfg, attention_note = modelled_model_config(config, backend)
   # The step exactly as the trainer builds it, frozen weights (LoRA base, DPO reference) included.
-  setup = trainer.build(config, mesh, model_cfg)
-  state = trainer.abstract_state(setup, config.train.seed)
+  setup = train_setup.build(config, mesh, model_cfg)
+  state = train_setup.abstract_state(setup, config.train.seed)
   batch = abstract_batch(config, mesh)
 
   start = time.perf_counter()

@@ -1,21 +1,20 @@
 """run(): sharded init, the training loop, periodic eval, metrics. The I/O edge of training.
 
-Flow: mesh → abstract model → shardings → sharded init → loop { host batch → global
-array → jit train_step (donated state) → metrics fetched one step late → writers }.
+Flow: mesh → `train_setup.build` (abstract model → shardings → jitted steps) → sharded init or
+restore → loop { host batch → global array → jit train_step (donated state) → metrics fetched
+one step late → writers }.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Iterable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
@@ -26,132 +25,12 @@ from jaxtrain.data import preference as preference_data
 from jaxtrain.data import shards as data_shards
 from jaxtrain.checkpoint import Checkpointer, abstract_like, load_params
 from jaxtrain import metrics as metrics_lib
-from jaxtrain import optim
-from jaxtrain.config import ConfigError, MeshShape
+from jaxtrain.config import MeshShape
 from jaxtrain.health import LossSpikeDetector, check_bad_streak
 from jaxtrain.mesh import batch_sharding, make_mesh
 from jaxtrain.model import ModelConfig
-from jaxtrain.sharding import abstract_model, init_params_fn
-from jaxtrain.train_step import (Frozen, TrainState, jit_eval_step, jit_train_step,
-                                 make_eval_step, make_train_step, state_shardings)
-
-
-@dataclasses.dataclass
-class Setup:
-  """Everything derived from a config and a mesh before the first step runs."""
-  mesh: Mesh
-  model_cfg: ModelConfig
-  graphdef: Any
-  shardings: TrainState
-  init_fn: Callable[[jax.Array], TrainState]  # key -> fresh state (frozen weights not set)
-  state_from_params: Callable[[Any], TrainState]  # given params, fresh optimizer, step 0
-  train_step: Callable
-  eval_step: Callable
-  # The plain model's params (no adapters, not quantized): what checkpoint.init_from holds and
-  # what the frozen weights are built from.
-  abstract_base: Any
-  base_init_fn: Callable[[jax.Array], Any]  # key -> random plain params, on their shardings
-  # Plain params -> the frozen weights (LoRA base, DPO reference); None when nothing is frozen.
-  make_frozen: Callable[[Any], Frozen] | None
-  objective: str = "lm"
-  abstract_params: Any = None  # the trained params (or adapters), shapes with shardings
-  frozen_shardings: Frozen | None = None
-
-
-def abstract_state(setup: Setup, seed: int = 0) -> TrainState:
-  """The full state a run trains (frozen weights included) as ShapeDtypeStructs with their
-  shardings: what the dry run compiles for."""
-  with jax.set_mesh(setup.mesh):
-    shapes = jax.eval_shape(setup.init_fn, jax.random.key(seed))
-    if setup.make_frozen is not None:
-      shapes = shapes.replace(frozen=jax.eval_shape(setup.make_frozen, setup.abstract_base))
-  shardings = setup.shardings.replace(frozen=setup.frozen_shardings)
-  return abstract_like(shapes, shardings)
-
-
-def _split_model(model_cfg: ModelConfig, mesh: Mesh):
-  """(graphdef, trained abstract params, their shardings, frozen abstract params or None, their
-  shardings or None): all params, or under LoRA the adapters and the rest."""
-  if model_cfg.lora_rank == 0:
-    graphdef, abstract_params, shardings = abstract_model(model_cfg, mesh)
-    return graphdef, abstract_params, shardings, None, None
-  from jaxtrain import peft  # pylint: disable=import-outside-toplevel
-  graphdef, (abstract_params, abstract_rest), (shardings, rest_shardings) = abstract_model(
-      model_cfg, mesh, filters=(peft.trainable_filter(model_cfg), ...))
-  return graphdef, abstract_params, shardings, abstract_rest, rest_shardings
-
-
-def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
-  """Abstract model, shardings and the jitted init/train/eval functions; allocates nothing.
-
-  `model_cfg` overrides the model config derived from `config` (the dry run models an
-  accelerator's dtype and attention while compiling for CPU).
-  """
-  model_cfg = model_cfg or ModelConfig.from_config(config)
-  objective = config.train.objective
-  graphdef, abstract_params, param_shardings, abstract_rest, rest_shardings = _split_model(
-      model_cfg, mesh)
-  lora = model_cfg.lora_rank > 0
-  base_cfg = model_cfg
-  if lora:
-    from jaxtrain import peft  # pylint: disable=import-outside-toplevel
-    base_cfg = peft.plain_config(model_cfg)
-    try:  # before jit meets shards it cannot split evenly
-      peft.check_mesh(model_cfg, mesh)
-    except ValueError as e:
-      raise ConfigError(str(e)) from None
-  _, abstract_base, base_shardings = abstract_model(base_cfg, mesh)
-  tx = optim.make_optimizer(config)
-  schedule = optim.learning_rate_schedule(config)
-
-  frozen_shardings, make_frozen = None, None
-  if lora:
-    frozen_shardings = Frozen(base=rest_shardings)
-    # The loaded base is not needed afterwards: its buffers become the frozen ones, unless
-    # quantized (new shapes: donating would only warn).
-    make_frozen = jax.jit(lambda base: Frozen(base=peft.frozen_from_base(base, model_cfg)),
-                          out_shardings=frozen_shardings,
-                          donate_argnums=0 if model_cfg.base_quant == "none" else ())
-  elif objective == "dpo":
-    # Full fine-tuning: the reference is a frozen copy of the initial params.
-    frozen_shardings = Frozen(reference=param_shardings)
-    make_frozen = jax.jit(lambda base: Frozen(reference=base), out_shardings=frozen_shardings,
-                          donate_argnums=0)
-  shardings = state_shardings(tx, abstract_params, param_shardings, mesh)
-
-  make_params = init_params_fn(model_cfg, trainable_only=lora)
-
-  def from_params(params):
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      bad_streak=jnp.zeros((), jnp.int32))
-
-  init_fn = jax.jit(lambda key: from_params(make_params(key)), out_shardings=shardings)
-  state_from_params = jax.jit(from_params, out_shardings=shardings, donate_argnums=0)
-  base_init_fn = jax.jit(init_params_fn(base_cfg), out_shardings=base_shardings)
-  full_shardings = shardings.replace(frozen=frozen_shardings)
-  dropout_seed = config.train.seed if model_cfg.lora_dropout > 0 else None
-  step = make_train_step(graphdef, tx, schedule,
-                         grad_accum_steps=config.train.grad_accum_steps,
-                         loss_chunk_size=config.train.loss_chunk_size,
-                         param_shardings=param_shardings, objective=objective,
-                         dpo_beta=config.dpo.beta, dropout_seed=dropout_seed)
-  train_step = jit_train_step(step, full_shardings, mesh)
-  eval_step = jit_eval_step(make_eval_step(graphdef, config.train.loss_chunk_size,
-                                           objective=objective, dpo_beta=config.dpo.beta),
-                            param_shardings, mesh, frozen_shardings)
-  return Setup(mesh, model_cfg, graphdef, shardings, init_fn, state_from_params, train_step,
-               eval_step, abstract_base, base_init_fn, make_frozen, objective,
-               abstract_params=abstract_params, frozen_shardings=frozen_shardings)
-
-
-def init_state(setup: Setup, seed: int) -> TrainState:
-  """A fresh state: random params (or adapters) and, where the run has frozen weights, those
-  built from a random plain model of the same seed."""
-  with jax.set_mesh(setup.mesh):
-    state = setup.init_fn(jax.random.key(seed))
-    if setup.make_frozen is not None:
-      state = state.replace(frozen=setup.make_frozen(setup.base_init_fn(jax.random.key(seed))))
-  return state
+from jaxtrain.train_setup import Setup, build
+from jaxtrain.train_step import TrainState
 
 
 def to_global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:

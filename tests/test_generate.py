@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import trainer
+from jaxtrain import train_setup
 from jaxtrain.checkpoint import save_params
 from jaxtrain.config import load_config_file
 from jaxtrain.generate import SamplingConfig, generate, sample_token
@@ -83,7 +83,7 @@ def test_cli_continues_prompts_from_a_weights_directory(tmp_path):
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   config = load_config_file(os.path.join(repo, "configs", "tiny.py"))
   config.mesh.data = config.mesh.fsdp = config.mesh.tensor = 1
-  state = trainer.init_state(trainer.build(config, mesh_of((1, 1, 1))), seed=0)
+  state = train_setup.init_state(train_setup.build(config, mesh_of((1, 1, 1))), seed=0)
   save_params(tmp_path, state.params)
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   run = lambda *args: subprocess.run(

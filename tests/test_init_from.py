@@ -4,19 +4,19 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import trainer
+from jaxtrain import train_setup, trainer
 from jaxtrain.checkpoint import save_params
 from jaxtrain.config import ConfigError, validate
 from tests.helpers import mesh_of, small_config
 
 
 def _setup(config, shape):
-  return trainer.build(config, mesh_of(shape))
+  return train_setup.build(config, mesh_of(shape))
 
 
 def test_weights_land_on_another_mesh_with_a_fresh_optimizer(tmp_path):
   config = small_config()
-  source = trainer.init_state(_setup(config, (1, 1, 1)), seed=1)
+  source = train_setup.init_state(_setup(config, (1, 1, 1)), seed=1)
   save_params(tmp_path, source.params)
   config.checkpoint.init_from = str(tmp_path)
   config.mesh.data = config.mesh.fsdp = config.mesh.tensor = 2
@@ -34,7 +34,7 @@ def test_weights_land_on_another_mesh_with_a_fresh_optimizer(tmp_path):
 
 
 def test_weights_of_another_model_are_refused_naming_the_parameters(tmp_path):
-  source = trainer.init_state(_setup(small_config(), (1, 1, 1)), seed=0)
+  source = train_setup.init_state(_setup(small_config(), (1, 1, 1)), seed=0)
   save_params(tmp_path, source.params)
   setup = _setup(small_config(mlp_dim=256), (1, 1, 1))
   with pytest.raises(ConfigError, match=r"do not match this model config: .*mlp.*\(.*128.*\) vs "

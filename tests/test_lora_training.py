@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxtrain import checkpoint as ckpt_lib
-from jaxtrain import peft, run_weights, trainer
+from jaxtrain import peft, run_weights, train_setup, trainer
 from jaxtrain.sharding import abstract_model
 from jaxtrain.train_step import merge_model
 from tests.helpers import mesh_of, packed_batch, small_config
@@ -44,8 +44,8 @@ def _train(setup, state, steps, seed=0):
 @pytest.mark.parametrize("quantize_base", ["none", "nf4"])
 def test_only_adapters_train_and_the_base_stays_frozen(quantize_base):
   config = _lora_config(quantize_base)
-  setup = trainer.build(config, mesh_of((2, 2, 2)))
-  state = trainer.init_state(setup, seed=0)
+  setup = train_setup.build(config, mesh_of((2, 2, 2)))
+  state = train_setup.init_state(setup, seed=0)
   assert _leaf_types(state.params) == {"Adapter"}
   adapter_count = sum(x.size for x in jax.tree.leaves(state.params))
   assert adapter_count == peft.parameter_counts(setup.model_cfg).trainable
@@ -64,8 +64,8 @@ def test_only_adapters_train_and_the_base_stays_frozen(quantize_base):
 def test_merged_export_computes_what_the_lora_model_computes(tmp_path):
   config = _lora_config("int8")
   mesh = mesh_of((1, 1, 1))
-  setup = trainer.build(config, mesh)
-  state, _ = _train(setup, trainer.init_state(setup, seed=0), 4)
+  setup = train_setup.build(config, mesh)
+  state, _ = _train(setup, train_setup.init_state(setup, seed=0), 4)
   ckpt = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), every_steps=1, async_save=False)
   ckpt.manager.save(4, args=ckpt_lib.ocp.args.Composite(
       state=ckpt_lib.ocp.args.StandardSave(trainer.checkpointed(state))), force=True)
@@ -99,8 +99,8 @@ def _dpo_batch(seed=0, b=8, t=33):
 def test_dpo_under_lora_starts_at_log2_with_the_base_as_reference():
   config = _lora_config(objective="dpo")
   config.train.seq_len = 32
-  setup = trainer.build(config, mesh_of((1, 2, 1)))
-  state = trainer.init_state(setup, seed=0)
+  setup = train_setup.build(config, mesh_of((1, 2, 1)))
+  state = train_setup.init_state(setup, seed=0)
   assert state.frozen.reference is None  # no second copy: the reference is the base
   batch = _dpo_batch()
   losses = []

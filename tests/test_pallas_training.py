@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import trainer
+from jaxtrain import train_setup, trainer
 from jaxtrain.config import ConfigError, validate
 from tests.helpers import mesh_of, packed_batch, small_config
 
@@ -17,10 +17,10 @@ def _losses(impl, shape, steps=3):
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = shape
   validate(config, int(np.prod(shape)), "cpu")
   mesh = mesh_of(shape)
-  setup = trainer.build(config, mesh)
+  setup = train_setup.build(config, mesh)
   losses = []
   with jax.set_mesh(mesh):
-    state = trainer.init_state(setup, seed=0)
+    state = train_setup.init_state(setup, seed=0)
     for i in range(steps):
       batch = trainer.to_global_batch(packed_batch(8, 32, 128, seed=i, docs_per_row=3), mesh)
       state, metrics = setup.train_step(state, batch)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import trainer
+from jaxtrain import train_setup, trainer
 from jaxtrain.model import ModelConfig
 from jaxtrain.sharding import abstract_model, init_params
 from jaxtrain.train_step import make_grad_fn
@@ -78,8 +78,8 @@ def test_train_steps_match_across_meshes():
   runs = {}
   for shape in [(1, 1, 1), (2, 2, 2)]:
     mesh = mesh_of(shape)
-    setup = trainer.build(config, mesh)
-    state = trainer.init_state(setup, seed=0)
+    setup = train_setup.build(config, mesh)
+    state = train_setup.init_state(setup, seed=0)
     losses = []
     with jax.set_mesh(mesh):
       for b in batches:
@@ -94,8 +94,8 @@ def test_non_finite_step_is_skipped():
   """A step with a NaN loss leaves params and optimizer state untouched and counts the streak."""
   config = small_config()
   mesh = mesh_of((1, 1, 1))
-  setup = trainer.build(config, mesh)
-  state = trainer.init_state(setup, seed=0)
+  setup = train_setup.build(config, mesh)
+  state = train_setup.init_state(setup, seed=0)
   batch = packed_batch(8, 32, 128)
   with jax.set_mesh(mesh):
     state, _ = setup.train_step(state, trainer.to_global_batch(batch, mesh))
