@@ -21,7 +21,8 @@ from jaxtrain.model import ModelConfig, remat_policy
 from jaxtrain.optim import learning_rate_schedule, make_optimizer, weight_decay_mask
 from jaxtrain.sharding import abstract_model, init_params
 from jaxtrain.train_step import loss_sum_fn
-from jaxtrain.trainer import build, init_state, to_global_batch
+from jaxtrain.train_setup import build, init_state
+from jaxtrain.trainer import to_global_batch
 from tests.helpers import mesh_of, packed_batch, small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
