@@ -463,31 +463,33 @@ def _check_finetuning(config):
   lora = config.lora
   if lora.rank < 0:
     raise ConfigError(f"lora.rank={lora.rank}: must be >= 0 (0: full fine-tuning)")
-  if lora.quantize_base not in BASE_QUANTIZATIONS:
-    raise ConfigError(f"lora.quantize_base={lora.quantize_base!r}: choose one of "
-                      f"{', '.join(BASE_QUANTIZATIONS)}")
-  if lora.rank == 0:
-    if lora.quantize_base != "none":
-      raise ConfigError(f"lora.quantize_base={lora.quantize_base!r} with lora.rank=0: a "
-                        f"quantized base is frozen, so only adapters could train; set lora.rank "
-                        f"(e.g. 16) or lora.quantize_base='none'")
-    return
-  unknown = [n.strip() for n in lora.targets.split(",")
-             if n.strip() and n.strip() not in LORA_TARGETS]
-  if unknown or not lora_targets(config):
-    raise ConfigError(f"lora.targets={lora.targets!r}: "
-                      f"{'unknown ' + ', '.join(map(repr, unknown)) if unknown else 'empty'}; "
-                      f"give a comma-separated subset of {','.join(LORA_TARGETS)}")
-  if lora.alpha <= 0:
-    raise ConfigError(f"lora.alpha={lora.alpha}: must be positive (the adapter scale is "
-                      f"alpha / rank)")
-  if not 0.0 <= lora.dropout < 1.0:
-    raise ConfigError(f"lora.dropout={lora.dropout}: must be in [0, 1)")
-  if lora.quantize_base != "none":
-    group = lora.quant_group_size
-    if group <= 0 or group % 2:
-      raise ConfigError(f"lora.quant_group_size={group}: must be a positive even number "
-                        f"(typical: 64)")
+  if lora.rank == 0 and lora.quantize_base != "none":
+    # (The model config of a rank-0 run carries no LoRA fields, so the model's check below
+    # cannot see this one.)
+    raise ConfigError(f"lora.quantize_base={lora.quantize_base!r} with lora.rank=0: a "
+                      f"quantized base is frozen, so only adapters could train; set lora.rank "
+                      f"(e.g. 16) or lora.quantize_base='none'")
+  if lora.rank > 0:
+    # Only here are the targets still a string: names the model config would drop.
+    unknown = [n.strip() for n in lora.targets.split(",")
+               if n.strip() and n.strip() not in LORA_TARGETS]
+    if unknown:
+      raise ConfigError(f"lora.targets={lora.targets!r}: unknown "
+                        f"{', '.join(map(repr, unknown))}; give a comma-separated subset of "
+                        f"{','.join(LORA_TARGETS)}")
+    if lora.alpha <= 0:
+      raise ConfigError(f"lora.alpha={lora.alpha}: must be positive (the adapter scale is "
+                        f"alpha / rank)")
+    if not 0.0 <= lora.dropout < 1.0:
+      raise ConfigError(f"lora.dropout={lora.dropout}: must be in [0, 1)")
+  # The model's own check of its LoRA/QLoRA fields (rank, quantization, targets, group size
+  # against the projections' input sizes), so a bad value stops here, before anything compiles.
+  from jaxtrain.model import ModelConfig  # pylint: disable=import-outside-toplevel  (cycle)
+  from jaxtrain.peft import check_config  # pylint: disable=import-outside-toplevel
+  try:
+    check_config(ModelConfig.from_config(config, platform="cpu"))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
 
 def resolve_compute_dtype(name: str, platform: str) -> str:
