@@ -34,6 +34,12 @@ import time
 # One CPU device: XLA:CPU then runs each op on the host's intra-op thread pool (all cores).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
+from jaxtrain import host_memory  # pylint: disable=wrong-import-position
+
+if __name__ == "__main__":
+  # As `python -m jaxtrain.main` does: restart with huge pages for glibc's large blocks.
+  host_memory.reexec_with_hugepages()
+
 import jax  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
@@ -123,7 +129,8 @@ def main():
   args = parser.parse_args()
 
   peak_before = metrics_lib.measure_cpu_matmul_peak.__wrapped__()
-  print(f"host: {os.cpu_count()} CPUs, jax {jax.__version__}; float32 matmul peak measured "
+  print(f"host: {os.cpu_count()} CPUs, jax {jax.__version__}, host memory: "
+        f"{host_memory.describe()}; float32 matmul peak measured "
         f"before training: {peak_before / 1e9:.1f} GFLOP/s", flush=True)
   results = {}
   for name, dims in SHAPES.items():

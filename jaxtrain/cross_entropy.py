@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.mesh import shard
+from jaxtrain.peft.projection import transposed_input_matmul
 
 
 def _chunked(x_BTD, targets_BT, mask_BT, c: int):
@@ -70,13 +71,19 @@ def _loss_sum(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
   return total
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def cross_entropy_sum(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
-  """Sum over positions of mask * (next-token cross-entropy), float32."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def cross_entropy_sum(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int,
+                      explicit_transpose_for_dw: bool = False):
+  """Sum over positions of mask * (next-token cross-entropy), float32.
+
+  `explicit_transpose_for_dw` (CPU): the head's weight gradient contracts a materialized x^T
+  (peft.projection.transposed_input_matmul), which XLA:CPU runs faster.
+  """
+  del explicit_transpose_for_dw  # only the gradient depends on it
   return _loss_sum(x_BTD, w_DV, targets_BT, mask_BT, chunk_size)
 
 
-def _fwd(x_BTD, w_DV, targets_BT, mask_BT, chunk_size):
+def _fwd(x_BTD, w_DV, targets_BT, mask_BT, chunk_size, explicit_transpose_for_dw):
   b, t, d = x_BTD.shape
   x_NBCD, targets_NBC, mask_NBC = _chunked(x_BTD, targets_BT, mask_BT, min(chunk_size, t))
 
@@ -87,8 +94,12 @@ def _fwd(x_BTD, w_DV, targets_BT, mask_BT, chunk_size):
     dlogits_BCV = (jnp.exp(logits_BCV - lse_BC[..., None]) - onehot_BCV) * mask_BC[..., None]
     dx_BCD = jnp.dot(_flat(dlogits_BCV).astype(w_DV.dtype), w_DV.T,
                      preferred_element_type=jnp.float32).reshape(x_BCD.shape)
-    dw_DV = dw_DV + jnp.dot(_flat(x_BCD).T, _flat(dlogits_BCV).astype(x_BCD.dtype),
-                            preferred_element_type=jnp.float32)
+    x_ND, dlogits_NV = _flat(x_BCD), _flat(dlogits_BCV).astype(x_BCD.dtype)
+    if explicit_transpose_for_dw:
+      dw_chunk_DV = transposed_input_matmul(x_ND, dlogits_NV, preferred_element_type=jnp.float32)
+    else:
+      dw_chunk_DV = jnp.dot(x_ND.T, dlogits_NV, preferred_element_type=jnp.float32)
+    dw_DV = dw_DV + dw_chunk_DV
     # The accumulator keeps the head's own sharding (vocab over tensor, embed over fsdp), so
     # no device ever holds a whole float32 [D, V].
     dw_DV = shard(dw_DV, ("embed", "vocab"))
@@ -100,8 +111,8 @@ def _fwd(x_BTD, w_DV, targets_BT, mask_BT, chunk_size):
   return total, (dx_BTD, dw_DV.astype(w_DV.dtype))
 
 
-def _bwd(chunk_size, residuals, g):
-  del chunk_size
+def _bwd(chunk_size, explicit_transpose_for_dw, residuals, g):
+  del chunk_size, explicit_transpose_for_dw
   dx_BTD, dw_DV = residuals
   # Targets are integers and the mask is data: neither gets a gradient.
   return (g * dx_BTD).astype(dx_BTD.dtype), (g * dw_DV).astype(dw_DV.dtype), None, None
@@ -110,9 +121,11 @@ def _bwd(chunk_size, residuals, g):
 cross_entropy_sum.defvjp(_fwd, _bwd)
 
 
-def chunked_cross_entropy(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
+def chunked_cross_entropy(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int,
+                          explicit_transpose_for_dw: bool = False):
   """(sum of masked token losses, number of masked tokens), both float32."""
-  return (cross_entropy_sum(x_BTD, w_DV, targets_BT, mask_BT, chunk_size),
+  return (cross_entropy_sum(x_BTD, w_DV, targets_BT, mask_BT, chunk_size,
+                            explicit_transpose_for_dw),
           jnp.sum(mask_BT.astype(jnp.float32)))
 
 

@@ -129,4 +129,7 @@ def _first_line(e: BaseException) -> str:
 
 
 if __name__ == "__main__":
+  # Before JAX starts: XLA:CPU's per-step temporaries otherwise fault in 4 KiB at a time.
+  from jaxtrain import host_memory  # pylint: disable=import-outside-toplevel
+  host_memory.reexec_with_hugepages()
   app.run(main)

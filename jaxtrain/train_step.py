@@ -60,7 +60,8 @@ def loss_sum_fn(params, graphdef, batch: Batch, loss_chunk_size: int, frozen=Non
   model = merge_model(graphdef, params, frozen)
   x_BTD = _hidden_states(model, batch, dropout_key)
   return chunked_cross_entropy(x_BTD, model.head_weights(), batch["targets"],
-                               batch["loss_mask"], loss_chunk_size)
+                               batch["loss_mask"], loss_chunk_size,
+                               model.cfg.explicit_transpose_for_dw)
 
 
 def make_loss_sums(graphdef, *, objective: str = "lm", loss_chunk_size: int = 512,

@@ -24,6 +24,7 @@ from jaxtrain import dpo as dpo_lib
 from jaxtrain.data import preference as preference_data
 from jaxtrain.data import shards as data_shards
 from jaxtrain.checkpoint import Checkpointer, abstract_like, load_params
+from jaxtrain import host_memory
 from jaxtrain import metrics as metrics_lib
 from jaxtrain.config import MeshShape
 from jaxtrain.health import LossSpikeDetector, check_bad_streak
@@ -67,6 +68,10 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
   per_device = t.global_batch_size / mesh_shape.batch_shards
   rows = [
       ("devices", f"{n} × {devices[0].device_kind} ({jax.process_count()} process(es))"),
+  ]
+  if devices[0].platform == "cpu":
+    rows.append(("host memory", host_memory.describe()))
+  rows += [
       ("mesh", f"data={mesh.shape['data']} fsdp={mesh.shape['fsdp']} "
                f"tensor={mesh.shape['tensor']}"),
       ("parameters", f"{metrics_lib.format_count(metrics_lib.count_params(model_cfg))} "

@@ -24,14 +24,16 @@ def _inputs(b, t, d, v, seed=0):
   return x, w, targets, mask
 
 
+@pytest.mark.parametrize("explicit_transpose_for_dw", [False, True])
 @pytest.mark.parametrize("t,chunk", [(32, 8), (30, 8), (16, 64)])  # divides, ragged, one chunk
-def test_matches_naive_loss_and_grads(t, chunk):
+def test_matches_naive_loss_and_grads(t, chunk, explicit_transpose_for_dw):
   x, w, targets, mask = _inputs(3, t, 16, 50)
-  got = chunked_cross_entropy(x, w, targets, mask, chunk)
+  got = chunked_cross_entropy(x, w, targets, mask, chunk, explicit_transpose_for_dw)
   want = naive_cross_entropy(x, w, targets, mask)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
   assert float(got[1]) == float(want[1])
-  g_got = jax.grad(lambda x, w: chunked_cross_entropy(x, w, targets, mask, chunk)[0],
+  g_got = jax.grad(lambda x, w: chunked_cross_entropy(x, w, targets, mask, chunk,
+                                                     explicit_transpose_for_dw)[0],
                    argnums=(0, 1))(x, w)
   g_want = jax.grad(lambda x, w: naive_cross_entropy(x, w, targets, mask)[0],
                     argnums=(0, 1))(x, w)

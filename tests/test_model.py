@@ -1,7 +1,9 @@
 """Tests for jaxtrain.model: shapes, causality, packing, scan/remat equivalence, sharding, RoPE."""
 
+import contextlib
 import dataclasses
 import functools
+import io
 import math
 
 import jax
@@ -240,6 +242,44 @@ def test_remat_policies_match(mesh1, base, base_logits_and_grads, grad_weights, 
     logits, grads = _logits_and_grads(graphdef, params, _tokens(), grad_weights)
   np.testing.assert_allclose(logits, want_logits, atol=1e-6, rtol=0)
   _assert_trees_close(_pure(grads), want_grads, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["minimal", "none"])
+def test_explicit_transpose_for_dw_matches(mesh1, base, base_logits_and_grads, grad_weights,
+                                           policy):
+  """The CPU weight-gradient form (x^T copied out, then a plain GEMM) gives the base's logits
+  and grads, and the remat policy sees through its custom_vjp: `minimal` saves the same
+  residuals as without it."""
+  _, base_params = base
+  want_logits, want_grads = base_logits_and_grads
+  cfg = dataclasses.replace(CFG, remat_policy=policy, explicit_transpose_for_dw=True)
+  graphdef, params = _with_values(cfg, mesh1, _pure(base_params))
+  tokens = _tokens()
+  with jax.set_mesh(mesh1):
+    logits, grads = _logits_and_grads(graphdef, params, tokens, grad_weights)
+    # The plain form's backward is XLA's transpose of x @ w: its dW contracts x untransposed.
+    jaxpr = str(jax.make_jaxpr(jax.grad(
+        lambda p: jnp.sum(nnx.merge(graphdef, p)(tokens) * grad_weights)))(params))
+  assert "optimization_barrier" in jaxpr
+  np.testing.assert_allclose(logits, want_logits, atol=1e-6, rtol=0)
+  _assert_trees_close(_pure(grads), want_grads, atol=1e-6, rtol=1e-6)
+
+  def residual_shapes(c):
+    g, p = _with_values(c, mesh1, _pure(base_params))
+    loss = lambda p: jnp.sum(nnx.merge(g, p)(tokens) * grad_weights)
+    out = io.StringIO()
+    with jax.set_mesh(mesh1), contextlib.redirect_stdout(out):
+      jax.ad_checkpoint.print_saved_residuals(loss, p)
+    return sorted(line.split()[0] for line in out.getvalue().splitlines() if line.strip())
+  assert residual_shapes(cfg) == residual_shapes(dataclasses.replace(cfg,
+                                                                     explicit_transpose_for_dw=False))
+
+
+def test_from_config_sets_explicit_transpose_for_cpu_only():
+  config = config_lib.default_config()
+  assert ModelConfig.from_config(config, platform="cpu").explicit_transpose_for_dw
+  for platform in ("gpu", "tpu"):
+    assert not ModelConfig.from_config(config, platform=platform).explicit_transpose_for_dw
 
 
 # --------------------------------------------------------------------------------------------
