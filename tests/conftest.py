@@ -2,8 +2,27 @@
 
 import os
 
+import pytest
+
 # Must run before any JAX backend exists; conftest is imported before the test modules.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+  """The CLI runs the tests start as subprocesses share JAX's persistent compilation cache, so
+  a program they have in common (the tiny config's train step, its eval step, the init) is
+  compiled once per test session rather than once per run: a resumed run, a rerun or a second
+  fine-tuning stage then starts in seconds. This process's own JAX was configured at import
+  and keeps compiling in memory."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # shared by the xdist workers, like the subprocesses they start
+  cache = root / "jax_compilation_cache"
+  cache.mkdir(exist_ok=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  return cache
