@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import dpo, hlo_flops, metrics, train_setup
-from jaxtrain.config import MeshShape, validate
+from jaxtrain.config_checks import MeshShape, validate
 from jaxtrain.mesh import batch_sharding, make_mesh
 from jaxtrain.model import ModelConfig
 from jaxtrain.train_step import BATCH_KEYS

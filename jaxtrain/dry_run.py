@@ -22,7 +22,8 @@ import time
 
 from jaxtrain import accelerators, aot, fit_options, metrics
 from jaxtrain.accelerators import GIB
-from jaxtrain.config import ConfigError, validate
+from jaxtrain.config import ConfigError
+from jaxtrain.config_checks import validate
 
 _CHILD_ENV = "JAXTRAIN_DRY_RUN_CHILD"
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"

@@ -49,7 +49,8 @@ def _default_workdir() -> str:
 def _initialize_distributed(config):
   """Joins the multi-process run this process was launched into, if any (before JAX starts)."""
   from jaxtrain import distributed  # pylint: disable=import-outside-toplevel
-  from jaxtrain.config import ConfigError, check_distributed  # pylint: disable=import-outside-toplevel
+  from jaxtrain.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from jaxtrain.config_checks import check_distributed  # pylint: disable=import-outside-toplevel
   try:
     check_distributed(config)
     layout = distributed.detect({"coordinator_address": _COORDINATOR_ADDRESS.value,
@@ -80,7 +81,8 @@ def main(argv):
     _initialize_distributed(config)
   import jax  # pylint: disable=import-outside-toplevel
   from jaxtrain import distributed  # pylint: disable=import-outside-toplevel
-  from jaxtrain.config import ConfigError, validate  # pylint: disable=import-outside-toplevel
+  from jaxtrain.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from jaxtrain.config_checks import validate  # pylint: disable=import-outside-toplevel
   from jaxtrain.mesh import num_slices  # pylint: disable=import-outside-toplevel
   from jaxtrain import trainer  # pylint: disable=import-outside-toplevel
   from jaxtrain.health import TrainingHealthError  # pylint: disable=import-outside-toplevel

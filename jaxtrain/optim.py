@@ -84,7 +84,7 @@ class HostStateTransformation(optax.GradientTransformation):
   The same (init, update) pair; only `state_memory_kind` differs, and `opt_state_shardings`
   gives the param-shaped state that memory kind. The jitted train step brings the state to the
   device for the update and its out_shardings send the new state back, so the device holds it
-  only transiently. Needs a backend with pinned_host memory (config.validate checks).
+  only transiently. Needs a backend with pinned_host memory (config_checks.validate checks).
   """
   state_memory_kind = "pinned_host"
 

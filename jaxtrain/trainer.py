@@ -26,7 +26,7 @@ from jaxtrain.data import shards as data_shards
 from jaxtrain.checkpoint import Checkpointer, abstract_like, load_params
 from jaxtrain import host_memory
 from jaxtrain import metrics as metrics_lib
-from jaxtrain.config import MeshShape
+from jaxtrain.config_checks import MeshShape
 from jaxtrain.health import LossSpikeDetector, check_bad_streak
 from jaxtrain.mesh import batch_sharding, make_mesh
 from jaxtrain.model import ModelConfig

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from jaxtrain.config import (ConfigError, default_config, load_config_file, resolve_mesh_shape,
-                             validate)
+from jaxtrain.config import ConfigError, default_config, load_config_file
+from jaxtrain.config_checks import resolve_mesh_shape, validate
 from tests.helpers import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,9 +14,11 @@ import pytest
 
 from jaxtrain import accelerators, aot, dry_run, fit_options, hlo_flops
 from jaxtrain import config as config_lib
+from jaxtrain import config_checks
 from jaxtrain.attention import xla_attention
 from jaxtrain.blockwise_attention import blockwise_attention
-from jaxtrain.config import ConfigError, validate
+from jaxtrain.config import ConfigError
+from jaxtrain.config_checks import validate
 from jaxtrain.model import ModelConfig, remat_policy
 from jaxtrain.optim import learning_rate_schedule, make_optimizer, weight_decay_mask
 from jaxtrain.sharding import abstract_model, init_params
@@ -128,7 +130,7 @@ def test_remat_policy_names_are_validated():
 
 
 def test_offload_needs_pinned_host_memory(monkeypatch):
-  monkeypatch.setattr(config_lib, "host_memory_kinds", lambda platform: {"device"})
+  monkeypatch.setattr(config_checks, "host_memory_kinds", lambda platform: {"device"})
   for key, value in (("model.remat_policy", "save_dots_offload"), ("optim.offload_state", True)):
     config = small_config()
     group, name = key.split(".")

@@ -24,6 +24,7 @@ import pytest
 from flax import nnx
 
 from jaxtrain import config as config_lib
+from jaxtrain import config_checks
 from jaxtrain.checkpoint import load_params
 from jaxtrain.interop import hf, hf_config, hf_weights
 from jaxtrain.interop.hf_config import HFFormatError
@@ -101,7 +102,7 @@ def test_fixture_import_matches_transformers_logits_and_loss(path):
   assert m.tie_embeddings == hf_json["tie_word_embeddings"]
   assert m.rope_scaling.type == "llama3" and m.rope_scaling.original_max_position_embeddings == 16
   assert config.train.seq_len <= m.max_position_embeddings
-  config_lib.validate(config, 1, "cpu")  # trainable as is
+  config_checks.validate(config, 1, "cpu")  # trainable as is
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 2), (1, 8, 1)])
@@ -336,7 +337,7 @@ def test_cli_import_writes_a_trainable_weights_directory_and_export_reverses_it(
   config = config_lib.load_config_file(str(weights / "config.py"))
   assert config.checkpoint.init_from == str(weights)
   assert config.data.tokenizer == f"hf:{weights}/tokenizer.json"
-  config_lib.validate(config, 1, "cpu")
+  config_checks.validate(config, 1, "cpu")
   # What the trainer does with checkpoint.init_from: bfloat16 storage restores as float32.
   cfg = ModelConfig.from_config(config)
   graphdef, abstract_params, _ = abstract_model(cfg, hf.default_mesh())

@@ -6,7 +6,8 @@ import pytest
 
 from jaxtrain import train_setup, trainer
 from jaxtrain.checkpoint import save_params
-from jaxtrain.config import ConfigError, validate
+from jaxtrain.config import ConfigError
+from jaxtrain.config_checks import validate
 from tests.helpers import mesh_of, small_config
 
 

@@ -16,7 +16,8 @@ from etils import epath
 
 from jaxtrain import data, distributed
 from jaxtrain.checkpoint import DataShardsHandler, DataShardsRestore, DataShardsSave
-from jaxtrain.config import ConfigError, validate
+from jaxtrain.config import ConfigError
+from jaxtrain.config_checks import validate
 from jaxtrain.data import shards
 from jaxtrain.mesh import batch_rows_by_process, make_mesh
 from tests.helpers import small_config

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from jaxtrain import train_setup, trainer
-from jaxtrain.config import ConfigError, validate
+from jaxtrain.config import ConfigError
+from jaxtrain.config_checks import validate
 from tests.helpers import mesh_of, packed_batch, small_config
 
 

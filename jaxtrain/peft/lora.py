@@ -102,7 +102,7 @@ def adapter(cfg, rngs: nnx.Rngs, target: str, weight_name: str, shape, names,
 def check_config(cfg):
   """Raises ValueError for LoRA/QLoRA fields of a ModelConfig that cannot build a model.
 
-  config.validate() checks the run config's `lora` group the same way; this catches a
+  config_checks.validate() checks the run config's `lora` group the same way; this catches a
   ModelConfig made by hand and the group size against the model's dims.
   """
   if cfg.lora_rank < 0:

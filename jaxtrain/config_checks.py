@@ -1,0 +1,304 @@
+"""The one validation pass over a run config, and the mesh shape it resolves.
+
+`validate()` runs before anything is compiled. Every check raises `ConfigError` with one line: the
+key, the bad value, and how to fix it (the CLI prints it and exits with code 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from jaxtrain.config import (ATTENTION_IMPLS, DTYPES, LORA_TARGETS, OBJECTIVES, REMAT_POLICIES,
+                             ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+  data: int
+  fsdp: int
+  tensor: int
+
+  @property
+  def batch_shards(self) -> int:
+    return self.data * self.fsdp
+
+
+def resolve_mesh_shape(config, num_devices: int) -> MeshShape:
+  """Fills the one -1 axis so the product is the device count; ConfigError when impossible."""
+  sizes = {name: int(config.mesh[name]) for name in ("data", "fsdp", "tensor")}
+  free = [n for n, s in sizes.items() if s == -1]
+  for name, size in sizes.items():
+    if size == 0 or size < -1:
+      raise ConfigError(f"mesh.{name}={size}: mesh axis sizes must be positive (or -1 for one axis "
+                        f"to take the remaining devices)")
+  if len(free) > 1:
+    raise ConfigError(f"mesh.{free[1]}=-1: only one mesh axis may be -1 (also mesh.{free[0]}=-1); "
+                      f"give the others explicit sizes")
+  fixed = 1
+  for n, s in sizes.items():
+    if s != -1:
+      fixed *= s
+  if free:
+    if num_devices % fixed:
+      given = " ".join(f"mesh.{n}={s}" for n, s in sizes.items())
+      raise ConfigError(f"{given}: the fixed axes multiply to {fixed}, which does not divide the "
+                        f"{num_devices} devices, so mesh.{free[0]}=-1 cannot fill them; choose "
+                        f"sizes whose product divides {num_devices}")
+    sizes[free[0]] = num_devices // fixed
+  elif fixed != num_devices:
+    raise ConfigError(f"mesh.data*mesh.fsdp*mesh.tensor={sizes['data']}*{sizes['fsdp']}*"
+                      f"{sizes['tensor']}={fixed}, but {num_devices} devices are present; make "
+                      f"the product {num_devices} or set one axis to -1")
+  return MeshShape(**sizes)
+
+
+def _positive(config, key: str):
+  node = config
+  for part in key.split("."):
+    node = node[part]
+  if node is None or node <= 0:
+    raise ConfigError(f"{key}={node}: must be a positive number")
+
+
+def validate(config, num_devices: int, platform: str = "cpu", *,
+             num_processes: int | None = None, num_slices: int = 1) -> MeshShape:
+  """Checks everything that can be checked before compiling. Returns the resolved mesh shape.
+
+  `platform` is the JAX backend ("cpu", "gpu", "tpu") for backend-specific choices.
+  `num_processes` and `num_slices` (TPU slices) are the run's hosts, for the multi-host keys;
+  None (dry runs, which emulate devices in one process) skips the checks against them.
+
+  Raises ConfigError with one line: the key, the bad value, and how to fix it.
+  """
+  for key in ("model.vocab_size", "model.num_layers", "model.d_model", "model.num_heads",
+              "model.num_kv_heads", "model.head_dim", "model.mlp_dim", "model.norm_eps",
+              "model.rope_theta", "model.max_position_embeddings", "train.steps",
+              "train.global_batch_size", "train.seq_len", "train.grad_accum_steps",
+              "train.log_every", "train.eval_every", "train.eval_batches",
+              "train.loss_chunk_size", "train.max_consecutive_bad_steps",
+              "optim.learning_rate"):
+    _positive(config, key)
+  for key in ("optim.warmup_steps", "optim.weight_decay", "optim.grad_clip_norm",
+              "optim.min_lr_ratio"):
+    group, name = key.split(".")
+    if config[group][name] < 0:
+      raise ConfigError(f"{key}={config[group][name]}: must be >= 0")
+  if config.optim.decay_steps is not None and config.optim.decay_steps <= 0:
+    raise ConfigError(f"optim.decay_steps={config.optim.decay_steps}: must be positive, or None "
+                      f"to decay over train.steps")
+
+  m = config.model
+  if m.remat_policy not in REMAT_POLICIES:
+    raise ConfigError(f"model.remat_policy={m.remat_policy!r}: unknown remat policy; choose one "
+                      f"of {', '.join(REMAT_POLICIES)}")
+  if config.attention.impl not in ATTENTION_IMPLS:
+    raise ConfigError(f"attention.impl={config.attention.impl!r}: unknown attention "
+                      f"implementation; choose one of {', '.join(ATTENTION_IMPLS)}")
+  if config.attention.impl == "cudnn" and platform != "gpu":
+    raise ConfigError(f"attention.impl='cudnn': needs a GPU, this backend is {platform!r}; use "
+                      f"'xla' or 'auto'")
+  if (config.attention.impl == "pallas" and platform not in ("gpu", "tpu")
+      and not config.attention.interpret):
+    raise ConfigError(f"attention.impl='pallas': the kernels compile for GPU or TPU, this backend "
+                      f"is {platform!r}; set attention.interpret=True to run them in the Pallas "
+                      f"interpreter (slow, for tests), or use 'xla'")
+  for key in ("block_q", "block_k"):
+    if config.attention[key] < 0:
+      raise ConfigError(f"attention.{key}={config.attention[key]}: must be >= 0 (0: the "
+                        f"backend's default block)")
+  if m.rope_scaling.type not in ROPE_SCALING_TYPES:
+    raise ConfigError(f"model.rope_scaling.type={m.rope_scaling.type!r}: choose one of "
+                      f"{', '.join(ROPE_SCALING_TYPES)}")
+  if m.param_dtype not in DTYPES:
+    raise ConfigError(f"model.param_dtype={m.param_dtype!r}: choose one of {', '.join(DTYPES)}")
+  if m.dtype not in DTYPES + ("auto",):
+    raise ConfigError(f"model.dtype={m.dtype!r}: choose one of {', '.join(DTYPES)} or 'auto' "
+                      f"(bfloat16 on accelerators, float32 on CPU)")
+  if config.optim.state_dtype not in STATE_DTYPES:
+    raise ConfigError(f"optim.state_dtype={config.optim.state_dtype!r}: choose one of "
+                      f"{', '.join(STATE_DTYPES)}")
+  _check_host_memory(config, platform)
+  _check_finetuning(config)
+  if m.num_heads % m.num_kv_heads:
+    raise ConfigError(f"model.num_kv_heads={m.num_kv_heads}: must divide model.num_heads="
+                      f"{m.num_heads} (grouped-query attention); pick a divisor of it")
+  if m.head_dim % 2:
+    raise ConfigError(f"model.head_dim={m.head_dim}: must be even for rotary embeddings")
+
+  mesh = resolve_mesh_shape(config, num_devices)
+  tensor_divides = (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads),
+                    ("model.mlp_dim", m.mlp_dim), ("model.vocab_size", m.vocab_size))
+  for key, value in tensor_divides:
+    if value % mesh.tensor:
+      raise ConfigError(f"mesh.tensor={mesh.tensor}: does not divide {key}={value}; use a "
+                        f"tensor size that divides it (e.g. "
+                        f"{_largest_divisor(value, mesh.tensor)})")
+  if m.d_model % mesh.fsdp:
+    raise ConfigError(f"mesh.fsdp={mesh.fsdp}: does not divide model.d_model={m.d_model}; use an "
+                      f"fsdp size that divides it")
+
+  t = config.train
+  per_step = mesh.batch_shards * t.grad_accum_steps
+  if t.global_batch_size % per_step:
+    raise ConfigError(
+        f"train.global_batch_size={t.global_batch_size}: must be divisible by mesh.data*mesh.fsdp"
+        f"*train.grad_accum_steps={mesh.data}*{mesh.fsdp}*{t.grad_accum_steps}={per_step}; use a "
+        f"multiple of {per_step}")
+  if t.seq_len > m.max_position_embeddings:
+    raise ConfigError(f"train.seq_len={t.seq_len}: exceeds model.max_position_embeddings="
+                      f"{m.max_position_embeddings}; shorten the sequence or raise the limit")
+  if m.rope_scaling.type == "llama3":
+    rs = m.rope_scaling
+    if rs.factor <= 0 or rs.original_max_position_embeddings <= 0:
+      raise ConfigError(f"model.rope_scaling.factor={rs.factor}: factor and "
+                        f"original_max_position_embeddings must be positive")
+    if rs.high_freq_factor <= rs.low_freq_factor:
+      raise ConfigError(f"model.rope_scaling.high_freq_factor={rs.high_freq_factor}: must exceed "
+                        f"low_freq_factor={rs.low_freq_factor}")
+  for key in ("every_steps", "max_to_keep", "keep_every"):
+    if config.checkpoint[key] < 0:
+      raise ConfigError(f"checkpoint.{key}={config.checkpoint[key]}: must be >= 0")
+  init_from = config.checkpoint.init_from
+  if init_from and "://" not in init_from and not os.path.isdir(init_from):
+    raise ConfigError(f"checkpoint.init_from={init_from!r}: no such directory; give a run's "
+                      f"checkpoint step directory, its workdir, or a converted-weights directory")
+  if config.train.loss_spike_sigmas < 0:
+    raise ConfigError(f"train.loss_spike_sigmas={config.train.loss_spike_sigmas}: must be >= 0 "
+                      f"(0 turns spike detection off)")
+  if config.data.num_workers < 0:
+    raise ConfigError(f"data.num_workers={config.data.num_workers}: must be >= 0")
+  if not 0.0 < config.data.eval_fraction < 1.0:
+    raise ConfigError(f"data.eval_fraction={config.data.eval_fraction}: must be in (0, 1)")
+  _check_multihost(config, mesh, num_processes, num_slices)
+  return mesh
+
+
+def _check_multihost(config, mesh: MeshShape, num_processes: int | None, num_slices: int):
+  """mesh.dcn_*, data.num_shards and distributed.* (see default_config)."""
+  dcn = {}
+  for axis in ("data", "fsdp"):
+    size, whole = config.mesh[f"dcn_{axis}"], getattr(mesh, axis)
+    if not isinstance(size, int) or size < 1:
+      raise ConfigError(f"mesh.dcn_{axis}={size}: must be a positive number of host groups (1: "
+                        f"the {axis} axis stays within each host or slice)")
+    if whole % size:
+      raise ConfigError(f"mesh.dcn_{axis}={size}: does not divide mesh.{axis}={whole}; the "
+                        f"{axis} axis is split into {size} groups across hosts, so make "
+                        f"mesh.{axis} a multiple of {size}, e.g. --config.mesh.{axis}={size}")
+    dcn[axis] = size
+  product = dcn["data"] * dcn["fsdp"]
+  if num_processes is not None and (product > 1 or num_slices > 1):
+    groups, what = (num_slices, "TPU slices") if num_slices > 1 else (num_processes, "processes")
+    if groups == 1:
+      raise ConfigError(f"mesh.dcn_data*mesh.dcn_fsdp={dcn['data']}*{dcn['fsdp']}={product}: "
+                        f"this run is a single process, with no other hosts to span; set "
+                        f"mesh.dcn_data=1 and mesh.dcn_fsdp=1 (for multi-process runs)")
+    if product != groups:
+      flat = "" if num_slices > 1 else ", or 1*1 for one flat mesh over all devices"
+      raise ConfigError(f"mesh.dcn_data*mesh.dcn_fsdp={dcn['data']}*{dcn['fsdp']}={product}, but "
+                        f"this run has {groups} {what}; make the product {groups} (e.g. "
+                        f"--config.mesh.dcn_data={groups} with mesh.data a multiple of it){flat}")
+  batch, shards = config.train.global_batch_size, config.data.num_shards
+  if not isinstance(shards, int) or shards < 0:
+    raise ConfigError(f"data.num_shards={shards}: must be >= 0 (0: one shard per process)")
+  if shards and batch % shards:
+    raise ConfigError(f"data.num_shards={shards}: must divide train.global_batch_size={batch} "
+                      f"(each shard gives global_batch_size/num_shards rows of every batch); "
+                      f"e.g. {_largest_divisor(batch, shards)}")
+  if num_processes is not None and num_processes > 1:
+    if shards and shards % num_processes:
+      raise ConfigError(f"data.num_shards={shards}: must be a multiple of the {num_processes} "
+                        f"processes, so each reads whole shards; e.g. {num_processes} or "
+                        f"{2 * num_processes}")
+    if not shards and batch % num_processes:
+      raise ConfigError(f"train.global_batch_size={batch}: must be divisible by the "
+                        f"{num_processes} processes (data.num_shards=0: one shard per process); "
+                        f"use a multiple of {num_processes}")
+  check_distributed(config)
+
+
+def check_distributed(config):
+  """distributed.*: checked by validate() and, before JAX starts, by the CLI."""
+  for key in ("heartbeat_timeout_s", "initialization_timeout_s", "shutdown_timeout_s"):
+    value = config.distributed[key]
+    if not isinstance(value, (int, float)) or value < 1:
+      raise ConfigError(f"distributed.{key}={value}: must be at least 1 (seconds)")
+
+
+def _check_finetuning(config):
+  """train.objective, dpo.* and lora.* keys."""
+  objective = config.train.objective
+  if objective not in OBJECTIVES:
+    raise ConfigError(f"train.objective={objective!r}: choose one of {', '.join(OBJECTIVES)}")
+  if objective == "dpo":
+    if config.dpo.beta <= 0:
+      raise ConfigError(f"dpo.beta={config.dpo.beta}: must be positive (typical: 0.1)")
+    if config.data.format != "preference":
+      raise ConfigError(f"train.objective='dpo' with data.format={config.data.format!r}: DPO "
+                        f"trains on preference pairs; set data.format='preference' with JSONL "
+                        f"records {{prompt, chosen, rejected}}")
+  elif config.data.format == "preference":
+    raise ConfigError("data.format='preference': preference pairs train only with "
+                      "train.objective='dpo'")
+  lora = config.lora
+  if lora.rank < 0:
+    raise ConfigError(f"lora.rank={lora.rank}: must be >= 0 (0: full fine-tuning)")
+  if lora.rank == 0 and lora.quantize_base != "none":
+    # (The model config of a rank-0 run carries no LoRA fields, so the model's check below
+    # cannot see this one.)
+    raise ConfigError(f"lora.quantize_base={lora.quantize_base!r} with lora.rank=0: a "
+                      f"quantized base is frozen, so only adapters could train; set lora.rank "
+                      f"(e.g. 16) or lora.quantize_base='none'")
+  if lora.rank > 0:
+    # Only here are the targets still a string: names the model config would drop.
+    unknown = [n.strip() for n in lora.targets.split(",")
+               if n.strip() and n.strip() not in LORA_TARGETS]
+    if unknown:
+      raise ConfigError(f"lora.targets={lora.targets!r}: unknown "
+                        f"{', '.join(map(repr, unknown))}; give a comma-separated subset of "
+                        f"{','.join(LORA_TARGETS)}")
+    if lora.alpha <= 0:
+      raise ConfigError(f"lora.alpha={lora.alpha}: must be positive (the adapter scale is "
+                        f"alpha / rank)")
+    if not 0.0 <= lora.dropout < 1.0:
+      raise ConfigError(f"lora.dropout={lora.dropout}: must be in [0, 1)")
+  # The model's own check of its LoRA/QLoRA fields (rank, quantization, targets, group size
+  # against the projections' input sizes), so a bad value stops here, before anything compiles.
+  from jaxtrain.model import ModelConfig  # pylint: disable=import-outside-toplevel  (cycle)
+  from jaxtrain.peft import check_config  # pylint: disable=import-outside-toplevel
+  try:
+    check_config(ModelConfig.from_config(config, platform="cpu"))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def host_memory_kinds(platform: str) -> set[str] | None:
+  """Memory kinds of `platform`'s devices in this process, or None when it has none here (a
+  dry run checks a config for accelerators it does not have)."""
+  import jax  # pylint: disable=import-outside-toplevel  (validation of other keys needs no jax)
+  try:
+    devices = jax.devices(platform)
+  except RuntimeError:
+    return None
+  return {memory.kind for memory in devices[0].addressable_memories()}
+
+
+def _check_host_memory(config, platform: str):
+  """Offload options need a backend whose devices can address pinned host memory."""
+  wanted = []
+  if config.model.remat_policy.endswith("_offload"):
+    wanted.append(f"model.remat_policy={config.model.remat_policy!r}")
+  if config.optim.offload_state:
+    wanted.append("optim.offload_state=True")
+  if not wanted:
+    return
+  kinds = host_memory_kinds(platform)
+  if kinds is not None and "pinned_host" not in kinds:
+    raise ConfigError(f"{' and '.join(wanted)}: the {platform!r} backend has no pinned_host "
+                      f"memory (its devices address {', '.join(sorted(kinds))}); use a remat "
+                      f"policy without _offload and optim.offload_state=False")
+
+
+def _largest_divisor(value: int, limit: int) -> int:
+  return max(d for d in range(1, limit + 1) if value % d == 0)
