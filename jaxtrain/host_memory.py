@@ -28,13 +28,17 @@ _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 _MIN_GLIBC = (2, 35)  # the first release with glibc.malloc.hugetlb
 
 
+def _tunables(value: str | None) -> dict[str, str]:
+  """GLIBC_TUNABLES ("name=value:name=value") as a dict, in order."""
+  return dict(e.split("=", 1) if "=" in e else (e, "") for e in (value or "").split(":") if e)
+
+
 def tunables_with_hugepages(current: str | None) -> str | None:
   """GLIBC_TUNABLES with glibc.malloc.hugetlb=1 appended, or None when `current` already sets
   glibc.malloc.hugetlb (whatever the value: the user's choice stands)."""
-  entries = [e for e in (current or "").split(":") if e]
-  if any(e.split("=", 1)[0] == TUNABLE for e in entries):
+  if TUNABLE in _tunables(current):
     return None
-  return ":".join([*entries, f"{TUNABLE}=1"])
+  return ":".join([*(e for e in (current or "").split(":") if e), f"{TUNABLE}=1"])
 
 
 def _glibc_version() -> tuple[int, ...] | None:
@@ -88,7 +92,7 @@ def reexec_with_hugepages() -> None:
 
 def describe() -> str:
   """One line for the run table: whether this process runs with the tunable, and if not why."""
-  entries = dict(e.split("=", 1) for e in os.environ.get(TUNABLES_ENV, "").split(":") if "=" in e)
+  entries = _tunables(os.environ.get(TUNABLES_ENV))
   if entries.get(TUNABLE, "0") != "0":
     return f"transparent huge pages for large blocks ({TUNABLE}={entries[TUNABLE]})"
   if os.environ.get(OPT_OUT_ENV) == "0":
