@@ -9,4 +9,5 @@ from jaxtrain.config import llama3_config
 
 def get_config():
   return llama3_config(num_layers=126, d_model=16384, num_heads=128, head_dim=128, mlp_dim=53248,
-                       tie_embeddings=False, rope_factor=8.0, global_batch_size=1024)
+                       tie_embeddings=False, rope_factor=8.0, global_batch_size=1024,
+                       target="h100x256")

@@ -20,15 +20,17 @@ import jax.numpy as jnp
 
 from jaxtrain.blockwise_attention import blockwise_attention
 from jaxtrain.mesh import logical_to_spec
-from kernels_pallas.flash_attention import flash_attention
+from kernels_pallas.flash_attention import current_platform, flash_attention
 
 IMPLS = ("xla", "pallas", "cudnn", "auto")
 _AUTO = {"gpu": "cudnn", "tpu": "pallas"}
 
 
 def resolve_impl(impl: str, platform: str | None = None, interpret: bool = False) -> str:
-  """Maps `auto` to the best implementation available on the backend; refuses ones it lacks."""
-  platform = platform or jax.default_backend()
+  """Maps `auto` to the best implementation for `platform` (what the program compiles for:
+  "cpu", "gpu", "tpu"; default: the current mesh's devices, else this process's backend);
+  refuses ones it lacks."""
+  platform = platform or current_platform()
   if impl == "auto":
     return _AUTO.get(platform, "xla")
   if impl == "blockwise":
@@ -91,7 +93,7 @@ def cudnn_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True,
 
 
 def pallas_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True,
-                     sm_scale=None, interpret=False, block_q=None, block_k=None):
+                     sm_scale=None, interpret=False, block_q=None, block_k=None, platform=None):
   """The flash-attention kernels, run per shard under a mesh.
 
   A pallas_call is opaque to XLA's SPMD partitioner, so under a mesh it runs inside shard_map:
@@ -101,7 +103,8 @@ def pallas_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True
   """
   def local(q, k, v, seg):
     return flash_attention(q, k, v, causal=causal, segment_ids=seg, sm_scale=sm_scale,
-                           interpret=interpret, block_q=block_q, block_k=block_k)
+                           interpret=interpret, block_q=block_q, block_k=block_k,
+                           platform=platform)
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
@@ -118,15 +121,18 @@ def pallas_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True
 
 
 def attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, impl="xla", causal=True,
-              sm_scale=None, interpret=False, block_q=None, block_k=None):
+              sm_scale=None, platform=None, interpret=False, block_q=None, block_k=None):
   """Causal (by default) attention within segments; returns [B, T, H, E] in q's dtype.
 
-  `interpret`, `block_q` and `block_k` apply to `pallas` only.
+  `platform` is what the program compiles for ("cpu", "gpu", "tpu"; the model passes its
+  mesh's); it resolves `auto` and picks the kernels' route. `interpret`, `block_q` and `block_k`
+  apply to `pallas` only.
   """
-  impl = resolve_impl(impl, interpret=interpret)
+  platform = platform or current_platform()
+  impl = resolve_impl(impl, platform, interpret=interpret)
   if impl == "pallas":
     return pallas_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, causal=causal,
                             sm_scale=sm_scale, interpret=interpret, block_q=block_q,
-                            block_k=block_k)
+                            block_k=block_k, platform=platform)
   fn = {"xla": xla_attention, "cudnn": cudnn_attention, "blockwise": blockwise_attention}[impl]
   return fn(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, causal=causal, sm_scale=sm_scale)

@@ -37,6 +37,10 @@ class ConfigError(ValueError):
 def default_config() -> ml_collections.ConfigDict:
   """All keys with defaults; a config file overrides what differs."""
   c = ml_collections.ConfigDict()
+  # What the config is made for, as jaxtrain.dryrun.targets names it: "h100x8", "v5p-128",
+  # "l4x1", ... or "cpu" (this host). `--dry_run` compiles for it with its own compiler, the
+  # fit verdict is against its memory, and the run table names it.
+  c.target = "cpu"
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 32000
@@ -195,11 +199,13 @@ def default_config() -> ml_collections.ConfigDict:
 
 
 def llama3_config(*, num_layers: int, d_model: int, num_heads: int, head_dim: int, mlp_dim: int,
-                  tie_embeddings: bool, rope_factor: float,
-                  global_batch_size: int) -> ml_collections.ConfigDict:
+                  tie_embeddings: bool, rope_factor: float, global_batch_size: int,
+                  target: str) -> ml_collections.ConfigDict:
   """What every published Llama 3.x size shares (vocab, 8 kv heads, RoPE theta and llama3
-  scaling, norm eps), with training defaults for accelerators; configs/ give the dims."""
+  scaling, norm eps), with training defaults for accelerators; configs/ give the dims and the
+  target they are sized for."""
   c = default_config()
+  c.target = target
   m = c.model
   m.vocab_size, m.num_layers, m.d_model = 128256, num_layers, d_model
   m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = num_heads, 8, head_dim, mlp_dim

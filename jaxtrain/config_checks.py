@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from jaxtrain.dryrun import targets
 from jaxtrain.config import (ATTENTION_IMPLS, DTYPES, LORA_TARGETS, OBJECTIVES, REMAT_POLICIES,
                              ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError)
 
@@ -71,6 +72,10 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
 
   Raises ConfigError with one line: the key, the bad value, and how to fix it.
   """
+  try:
+    targets.parse(config.target)
+  except targets.TargetError as e:
+    raise ConfigError(f"target: {e}") from None
   for key in ("model.vocab_size", "model.num_layers", "model.d_model", "model.num_heads",
               "model.num_kv_heads", "model.head_dim", "model.mlp_dim", "model.norm_eps",
               "model.rope_theta", "model.max_position_embeddings", "train.steps",

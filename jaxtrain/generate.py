@@ -189,4 +189,6 @@ def _main_entry() -> Any:
 
 
 if __name__ == "__main__":
+  from jaxtrain import platforms  # pylint: disable=import-outside-toplevel
+  platforms.choose_jax_platforms()
   _main_entry()

@@ -2,9 +2,10 @@
 
 Parses the config, validates it before anything compiles (a bad value prints one line and exits
 with code 2), initializes multi-process JAX when launched that way (jaxtrain/distributed.py;
-errors then name the process and host), and trains; or, with
-`--dry_run [--dry_run_devices=N]`, compiles the train step for N devices and reports whether it
-fits (jaxtrain/dry_run.py).
+errors then name the process and host), checks that the compiled step fits the devices'
+memory before any weight is allocated, and trains; or, with `--dry_run`, compiles the train step
+for the config's `target` (or `--dry_run_target=NAME`) with that target's own compiler and
+reports whether it fits (jaxtrain/dryrun/).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from jaxtrain.cli_flags import first_line, parse_flags
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to an ml-collections config file, e.g. configs/tiny.py.",
     lock_config=True)
@@ -24,11 +27,15 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for metrics.jsonl and TensorBoard events "
     "(default: runs/<config name>).")
 _DRY_RUN = flags.DEFINE_bool(
-    "dry_run", False, "Compile the train step on abstract inputs and report per-device memory, "
-    "FLOPs and which accelerators it fits; train nothing.")
+    "dry_run", False, "Compile the train step for the config's target on abstract inputs, with "
+    "the target's own compiler, and report per-device memory, FLOPs and whether it fits; train "
+    "nothing.")
+_DRY_RUN_TARGET = flags.DEFINE_string(
+    "dry_run_target", None, "Target to compile the dry run for instead of the config's "
+    "`target`: h100x8, h200x64, a100x16, l4x1, b200x8, v4-N, v5p-N, v5e-N, v6e-N or cpu.")
 _DRY_RUN_DEVICES = flags.DEFINE_integer(
-    "dry_run_devices", None, "Devices to compile the dry run for (default: this process's); "
-    "more than present are emulated as CPU devices in a subprocess.")
+    "dry_run_devices", None, "Model an unnamed accelerator on N emulated CPU devices (XLA:CPU, "
+    "an estimate) instead of compiling for a target.")
 # Multi-process runs; each defaults to its JAX_* environment variable, and all three are found
 # automatically under SLURM and on Cloud TPU pods (see docs/launch.md).
 _COORDINATOR_ADDRESS = flags.DEFINE_string(
@@ -67,8 +74,7 @@ def _initialize_distributed(config):
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  del argv  # parse_flags refused positional arguments
   config = _CONFIG.value
   if config is None:
     print("error: --config is required, e.g. --config=configs/tiny.py", file=sys.stderr)
@@ -91,8 +97,8 @@ def main(argv):
   start = time.perf_counter()
   try:
     if _DRY_RUN.value:
-      from jaxtrain import dry_run  # pylint: disable=import-outside-toplevel
-      sys.exit(dry_run.main(config, _DRY_RUN_DEVICES.value,
+      from jaxtrain.dryrun import command  # pylint: disable=import-outside-toplevel
+      sys.exit(command.main(config, _DRY_RUN_DEVICES.value, _DRY_RUN_TARGET.value,
                             config_flags.get_config_filename(flags.FLAGS["config"])))
     try:
       mesh_shape = validate(config, jax.device_count(), jax.default_backend(),
@@ -114,7 +120,7 @@ def main(argv):
     if not distributed.whereabouts():
       raise  # one process: the usual traceback and exit code
     traceback.print_exc()
-    distributed.exit_with_error("error", f"{type(e).__name__}: {_first_line(e)}"
+    distributed.exit_with_error("error", f"{type(e).__name__}: {first_line(e)}"
                                 f"{distributed.explain_runtime_error(e)}", 1)
   if result["preempted_at"] is not None:
     return  # exit 0: a preempted run that saved its state is not a failure
@@ -125,13 +131,11 @@ def main(argv):
           flush=True)
 
 
-def _first_line(e: BaseException) -> str:
-  text = str(e).strip()
-  return text.splitlines()[0][:500] if text else ""
-
-
 if __name__ == "__main__":
-  # Before JAX starts: XLA:CPU's per-step temporaries otherwise fault in 4 KiB at a time.
-  from jaxtrain import host_memory  # pylint: disable=import-outside-toplevel
+  # Before JAX starts: only the CPU backend where there is no accelerator (clean output with the
+  # deviceless compilers installed), and huge pages for XLA:CPU's per-step temporaries, which
+  # otherwise fault in 4 KiB at a time.
+  from jaxtrain import host_memory, platforms  # pylint: disable=import-outside-toplevel
+  platforms.choose_jax_platforms()
   host_memory.reexec_with_hugepages()
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -82,6 +82,20 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
   return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
+def platform_of_backend(name: str) -> str:
+  """"cpu", "gpu" or "tpu" from a JAX backend or device platform name ("cuda", "rocm", ...)."""
+  return "gpu" if name in ("gpu", "cuda", "rocm") else name
+
+
+def mesh_platform(mesh: Mesh) -> str:
+  """What a program over `mesh` compiles for: its devices' platform ("cpu", "gpu", "tpu").
+
+  Deviceless targets (jax.experimental.topologies) give TPU or GPU devices in a CPU process,
+  so code that picks a kernel asks the mesh, never `jax.default_backend()`.
+  """
+  return platform_of_backend(mesh.devices.flat[0].platform)
+
+
 def num_slices(devices: Sequence[jax.Device] | None = None) -> int:
   """TPU slices the devices span (multislice); 1 where devices have no slices (GPU, CPU)."""
   devices = jax.devices() if devices is None else devices

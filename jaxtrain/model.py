@@ -27,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain import attention as attention_lib
 from jaxtrain.config import lora_targets as config_lora_targets, resolve_compute_dtype
-from jaxtrain.mesh import shard
+from jaxtrain.mesh import platform_of_backend, shard
 from jaxtrain.peft import lora as lora_lib
 from jaxtrain.peft.projection import project
 from jaxtrain.peft.quantize import QuantizedWeight
@@ -66,15 +66,21 @@ class ModelConfig:
   # (peft.projection.dense): faster GEMMs on XLA:CPU. from_config sets it for the CPU platform
   # only; on accelerators XLA picks operand layouts itself.
   explicit_transpose_for_dw: bool = False
+  # What the model compiles for ("cpu", "gpu", "tpu"): it picks the attention kernel's route.
+  # The mesh's devices decide it (train_setup.build), not the process's default backend, so a
+  # CPU process compiles the GPU or TPU program for a deviceless target.
+  platform: str = "cpu"
 
   @classmethod
   def from_config(cls, config, platform: str | None = None) -> "ModelConfig":
     """From the ml-collections run config (its `model` and `attention` groups).
 
-    `platform` ("cpu", "gpu", "tpu"; default: this process's JAX backend) resolves
-    `model.dtype="auto"`: bfloat16 compute on accelerators, float32 on CPU.
+    `platform` ("cpu", "gpu", "tpu"; default: this process's JAX backend) is what the model
+    compiles for: it resolves `model.dtype="auto"` (bfloat16 compute on accelerators, float32 on
+    CPU) and the attention kernel's route.
     """
     m = config.model
+    platform = platform_of_backend(platform or jax.default_backend())
     lora = {}
     # Rank 0 maps to the default fields, so a plain run config gives the plain ModelConfig.
     if "lora" in config and config.lora.rank > 0:
@@ -94,8 +100,8 @@ class ModelConfig:
                attention_interpret=config.attention.interpret,
                attention_blocks=(config.attention.block_q, config.attention.block_k),
                param_dtype=m.param_dtype,
-               dtype=resolve_compute_dtype(m.dtype, platform or jax.default_backend()),
-               explicit_transpose_for_dw=(platform or jax.default_backend()) == "cpu", **lora)
+               dtype=resolve_compute_dtype(m.dtype, platform),
+               explicit_transpose_for_dw=platform == "cpu", platform=platform, **lora)
 
 
 _QKV_NAMES = ("query_proj", "key_proj", "value_proj")
@@ -215,7 +221,7 @@ class Attention(nnx.Module):
     self.impl = cfg.attention_impl
     block_q, block_k = cfg.attention_blocks
     # A tuple, not a dict: NNX keeps static attributes in the graph definition, which must hash.
-    self.attention_options = (("interpret", cfg.attention_interpret),
+    self.attention_options = (("platform", cfg.platform), ("interpret", cfg.attention_interpret),
                               ("block_q", block_q or None), ("block_k", block_k or None))
     self.dtype = jnp.dtype(cfg.dtype)
     self.explicit_transpose_for_dw = cfg.explicit_transpose_for_dw

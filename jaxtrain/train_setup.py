@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from jaxtrain import optim
 from jaxtrain.checkpoint import abstract_like
 from jaxtrain.config import ConfigError
+from jaxtrain.mesh import mesh_platform
 from jaxtrain.model import ModelConfig
 from jaxtrain.sharding import abstract_model, init_params_fn
 from jaxtrain.train_step import (Frozen, TrainState, jit_eval_step, jit_train_step,
@@ -51,7 +52,9 @@ def abstract_state(setup: Setup, seed: int = 0) -> TrainState:
   """The full state a run trains (frozen weights included) as ShapeDtypeStructs with their
   shardings: what the dry run compiles for."""
   with jax.set_mesh(setup.mesh):
-    shapes = jax.eval_shape(setup.init_fn, jax.random.key(seed))
+    # The key is made inside eval_shape: eagerly it would run on this process's backend, which
+    # a deviceless target's mesh (a TPU topology in a CPU process) cannot take.
+    shapes = jax.eval_shape(lambda: setup.init_fn(jax.random.key(seed)))
     if setup.make_frozen is not None:
       shapes = shapes.replace(frozen=jax.eval_shape(setup.make_frozen, setup.abstract_base))
   shardings = setup.shardings.replace(frozen=setup.frozen_shardings)
@@ -73,10 +76,10 @@ def _split_model(model_cfg: ModelConfig, mesh: Mesh):
 def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
   """Abstract model, shardings and the jitted init/train/eval functions; allocates nothing.
 
-  `model_cfg` overrides the model config derived from `config` (the dry run models an
-  accelerator's dtype and attention while compiling for CPU).
+  `model_cfg` overrides the model config derived from `config` and the mesh's platform (the
+  dry run models an accelerator's dtype and attention while compiling for CPU).
   """
-  model_cfg = model_cfg or ModelConfig.from_config(config)
+  model_cfg = model_cfg or ModelConfig.from_config(config, platform=mesh_platform(mesh))
   objective = config.train.objective
   graphdef, abstract_params, param_shardings, abstract_rest, rest_shardings = _split_model(
       model_cfg, mesh)

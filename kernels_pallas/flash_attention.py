@@ -49,7 +49,7 @@ _FLASH, _SPLASH = "flash", "splash"
 
 
 def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None, interpret=False,
-                    block_q=None, block_k=None):
+                    block_q=None, block_k=None, platform=None):
   """Memory-efficient attention; returns [B, T, H, E] in q's dtype.
 
   Args:
@@ -63,17 +63,27 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None, in
     interpret: run the Pallas interpreter (slow; any backend, needed on CPU).
     block_q: query rows per block (power of two >= 16 on GPU, multiple of 128 on TPU).
     block_k: key rows per block (same constraints as block_q).
+    platform: what the program compiles for, "gpu" (Triton), "tpu" (splash) or "cpu"; default:
+      the devices of the mesh set with `jax.set_mesh`, else this process's backend. A CPU
+      process compiling for a deviceless GPU or TPU target passes its target's.
 
   Raises:
     ValueError: bad shapes, dtypes, block sizes, or CPU without interpret=True.
   """
   return _attention(q, k, v, segment_ids, causal=causal, sm_scale=sm_scale,
-                    interpret=interpret, block_q=block_q, block_k=block_k)
+                    interpret=interpret, block_q=block_q, block_k=block_k,
+                    platform=platform or current_platform())
 
 
-def _platform() -> str:
-  platform = jax.default_backend()
-  return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+def current_platform() -> str:
+  """"gpu", "tpu" or "cpu": the devices of the concrete mesh set with `jax.set_mesh` (seen only
+  outside jit: callers that trace under jit pass `platform=`), else this process's backend."""
+  try:
+    mesh = jax.sharding.get_mesh()
+  except ValueError:  # inside jit, where only the abstract mesh (no devices) is known
+    mesh = None
+  name = jax.default_backend() if mesh is None or mesh.empty else mesh.devices.flat[0].platform
+  return "gpu" if name in ("gpu", "cuda", "rocm") else name
 
 
 def _is_pow2(n: int) -> bool:
@@ -158,16 +168,17 @@ def _default_blocks(route: str, platform: str, interpret: bool, e: int, t: int, 
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "interpret", "block_q",
-                                             "block_k", "route", "poison"))
+                                             "block_k", "route", "poison", "platform"))
 def _attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True, sm_scale=None,
-               interpret=False, block_q=None, block_k=None, route=None, poison=False):
+               interpret=False, block_q=None, block_k=None, route=None, poison=False,
+               platform=None):
   """`flash_attention` plus two test hooks.
 
   `route` forces "flash" (our kernels) or "splash" (the TPU route) whatever the backend, so both
   can be interpreted on CPU. `poison` (flash route only) seeds every kernel output with NaN, so an
   element no program writes would show.
   """
-  platform = _platform()
+  platform = platform or current_platform()
   if platform not in ("gpu", "tpu") and not interpret:
     raise ValueError(f"flash_attention has no compiled Pallas kernel for backend {platform!r}; "
                      f"pass interpret=True (slow, for tests) or use attention.impl='xla'")

@@ -27,6 +27,7 @@ performance and the block-size choices were never exercised on a TPU.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 
 import jax
@@ -48,11 +49,17 @@ def _mqa_kernel(t_pad: int, s_pad: int, groups: int, causal: bool, offset: int, 
       block_q_dkv=block_q, block_kv_dkv=block_k, block_kv_dkv_compute=block_k,
       block_q_dq=block_q, block_kv_dq=block_k)
   # The kernel holds its block-sparsity tables as arrays; built under a jit trace they would be
-  # tracers, and this cache would leak them into the next trace. Make them concrete constants.
-  with jax.ensure_compile_time_eval():
+  # tracers, and this cache would leak them into the next trace. Build them as concrete
+  # constants in a fresh thread, whose JAX context has no trace and no mesh: the caller's mesh
+  # may be a deviceless target's (a TPU topology compiled for from a CPU host), on which no
+  # constant can be computed. They are computed on this process's own default device.
+  def build():
     return splash.make_splash_mqa_single_device(
         splash_mask.MultiHeadMask([head_mask] * groups), block_sizes=blocks,
         interpret=interpret)
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+    return pool.submit(build).result()
 
 
 def _padded_segment_ids(segment_ids_BT, t: int, s: int, t_pad: int, s_pad: int):

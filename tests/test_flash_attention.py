@@ -28,7 +28,7 @@ from kernels_pallas import splash_tpu
 # The package exports the function under the module's name; tests also need the module's hooks.
 fa_module = importlib.import_module("kernels_pallas.flash_attention")
 
-_PLATFORM = fa_module._platform()
+_PLATFORM = fa_module.current_platform()
 _COMPILED = os.environ.get("JAXTRAIN_PALLAS_COMPILED") == "1"
 if _COMPILED and _PLATFORM not in ("gpu", "tpu"):
   raise RuntimeError(f"JAXTRAIN_PALLAS_COMPILED=1 needs a GPU or TPU backend, JAX runs on "

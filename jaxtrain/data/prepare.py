@@ -440,4 +440,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
   # Run the importable module's `main`: worker functions must pickle as
   # `jaxtrain.data.prepare._write_shard`; a forkserver child has no `__main__._write_shard`.
+  from jaxtrain import platforms  # pylint: disable=import-outside-toplevel
+  platforms.choose_jax_platforms()
   sys.exit(importlib.import_module("jaxtrain.data.prepare").main())

@@ -500,4 +500,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+  from jaxtrain import platforms  # pylint: disable=import-outside-toplevel
+  platforms.choose_jax_platforms()
   sys.exit(main())

@@ -7,10 +7,12 @@ Parameter and optimizer bytes per device are exact (shard shapes times itemsizes
 and outputs come from the compiler's `memory_analysis()`; FLOPs from the optimized HLO
 (`hlo_flops`) and from XLA's own `cost_analysis()`.
 
-Compiling for CPU while modelling an accelerator: `model.dtype="auto"` resolves as on an
-accelerator (bfloat16), and a fused attention kernel (`attention.impl` other than "xla": cuDNN on
-GPU, Pallas on TPU), which XLA:CPU cannot compile, is stood in for by `blockwise_attention`, which
-has the same memory profile.
+The devices decide the compiler: a deviceless target's (targets.devices: XLA's GPU compiler,
+or libtpu's) gives that compiler's exact figures, kernels included. Compiling on CPU devices
+for an accelerator (`platform` "gpu" or "tpu": `--dry_run_devices`, or a target whose compiler is
+not installed) models it: `model.dtype="auto"` resolves as on the accelerator (bfloat16), and a
+fused attention kernel (cuDNN, Pallas), which XLA:CPU cannot compile, is stood in for by
+`blockwise_attention`, which has the same memory profile; the figures are then an estimate.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import dpo, hlo_flops, metrics, train_setup
+from jaxtrain import dpo, metrics, train_setup
 from jaxtrain.config_checks import MeshShape, validate
-from jaxtrain.mesh import batch_sharding, make_mesh
+from jaxtrain.dryrun import hlo_flops
+from jaxtrain.mesh import batch_sharding, make_mesh, platform_of_backend
 from jaxtrain.model import ModelConfig
 from jaxtrain.train_step import BATCH_KEYS
 
@@ -51,7 +54,8 @@ class ParamShard:
 class Measurement:
   """Per-device figures of one compiled train step (bytes unless named otherwise)."""
   num_devices: int
-  backend: str  # what the program was compiled for ("cpu" in a dry run without accelerators)
+  backend: str  # the compiler that compiled it: "cpu", "gpu" or "tpu"
+  platform: str  # what the run is for; differs from `backend` when XLA:CPU models a GPU/TPU
   mesh: MeshShape
   model_cfg: ModelConfig
   params: int  # exact, from the shardings
@@ -86,37 +90,42 @@ def _shard_bytes(abstract, sharding) -> int:
   return _nbytes(sharding.shard_shape(abstract.shape), abstract.dtype)
 
 
-def modelled_model_config(config, backend: str) -> tuple[ModelConfig, str]:
-  """The model config an accelerator would run, adapted to compile on `backend`; and a note on
-  how attention is modelled."""
-  platform = "gpu" if backend == "cpu" else backend  # "auto" dtype as on an accelerator
+def modelled_model_config(config, backend: str, platform: str) -> tuple[ModelConfig, str]:
+  """The model config `platform` would run, adapted to compile on `backend`; and a note on how
+  attention is compiled or modelled."""
   cfg = ModelConfig.from_config(config, platform=platform)
   impl = config.attention.impl
-  if backend == "cpu" and impl != "xla":
-    note = (f"attention.impl={impl!r}: a fused kernel on accelerators; modelled by blockwise "
-            f"(flash-style) jnp attention, which has its memory profile")
-    return dataclasses.replace(cfg, attention_impl="blockwise"), note
-  if impl == "xla":
-    note = "attention.impl='xla': whole [B, H, T, S] score tensors, as on an accelerator"
+  resolved = {"gpu": "cudnn", "tpu": "pallas"}.get(platform, "xla") if impl == "auto" else impl
+  shown = f"{impl!r}" + (f" ({resolved})" if impl == "auto" else "")
+  if backend == "cpu" and platform != "cpu" and resolved != "xla":
+    note = (f"attention.impl={shown}: a fused kernel on {platform.upper()}; modelled by "
+            f"blockwise (flash-style) jnp attention, which has its memory profile")
+    return dataclasses.replace(cfg, attention_impl="blockwise", platform="cpu"), note
+  if resolved == "xla":
+    note = f"attention.impl={shown}: whole [B, H, T, S] score tensors"
   else:
-    note = f"attention.impl={impl!r}, compiled for {backend}"
-  return cfg, note
+    kernel = {"cudnn": "cuDNN fused attention", "pallas": "our Pallas kernels"}[resolved]
+    note = f"attention.impl={shown}: {kernel}, compiled for {backend.upper()}"
+  return dataclasses.replace(cfg, platform=backend), note
 
 
-def measure(config, devices) -> Measurement:
+def measure(config, devices, platform: str | None = None) -> Measurement:
   """Compiles the train step of `config` for a mesh over `devices` and measures it.
 
   XLA:CPU accepts the host-offload remat policies but keeps the offloaded activations in its one
   memory, so on CPU an `*_offload` policy is modelled from a second compile with `full` remat
   (what stays on the device: layer inputs and one layer's recompute); the difference is what
   the accelerator would hold in host memory. Its FLOPs are the first compile's.
+
+  `platform` is what the run is for (default: the devices' own platform); CPU devices with an
+  accelerator platform model it (see the module docstring).
   """
-  m = _compile_and_measure(config, devices)
+  m = _compile_and_measure(config, devices, platform)
   policy = config.model.remat_policy
-  if m.backend == "cpu" and policy.endswith("_offload"):
+  if m.backend == "cpu" and m.platform != "cpu" and policy.endswith("_offload"):
     full = copy.deepcopy(config)
     full.model.remat_policy = "full"
-    device_side = _compile_and_measure(full, devices)
+    device_side = _compile_and_measure(full, devices, platform)
     m.act_host = max(0, m.temp - device_side.temp)
     m.temp = min(m.temp, device_side.temp)
     m.compile_s += device_side.compile_s
@@ -146,21 +155,33 @@ def _param_shards(tree, prefix: str = "") -> list[ParamShard]:
           for path, a in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-def _compile_and_measure(config, devices) -> Measurement:
-  backend = devices[0].platform
-  mesh_shape = validate(config, len(devices), "gpu" if backend == "cpu" else backend)
+def compile_step(config, devices, platform: str | None = None):
+  """(compiled train step, setup, abstract state, abstract batch, attention note): the step of
+  `config` compiled for a mesh over `devices` on abstract inputs; allocates nothing."""
+  backend = platform_of_backend(devices[0].platform)
+  platform = platform or backend
+  mesh_shape = validate(config, len(devices), platform)
   mesh = make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor, devices=devices)
-  model_cfg, attention_note = modelled_model_config(config, backend)
+  model_cfg, attention_note = modelled_model_config(config, backend, platform)
   # The step exactly as the trainer builds it, frozen weights (LoRA base, DPO reference) included.
   setup = train_setup.build(config, mesh, model_cfg)
   state = train_setup.abstract_state(setup, config.train.seed)
   batch = abstract_batch(config, mesh)
-
-  start = time.perf_counter()
   with jax.set_mesh(mesh):
     lowered = setup.train_step.lower(state, batch)
-    compiled = lowered.compile(_CPU_COMPILE_OPTIONS if backend == "cpu" else None)
+    # Options that leave buffers and FLOPs as they are but halve XLA:CPU's compile time are
+    # only for programs that never run (a model of an accelerator).
+    options = _CPU_COMPILE_OPTIONS if backend == "cpu" and platform != "cpu" else None
+    compiled = lowered.compile(options)
+  return compiled, setup, state, batch, attention_note, mesh_shape
+
+
+def _compile_and_measure(config, devices, platform: str | None = None) -> Measurement:
+  start = time.perf_counter()
+  compiled, setup, state, batch, attention_note, mesh_shape = compile_step(
+      config, devices, platform)
   compile_s = time.perf_counter() - start
+  backend = platform_of_backend(devices[0].platform)
 
   opt_device = opt_host = 0
   for a in jax.tree.leaves(state.opt_state):
@@ -172,11 +193,14 @@ def _compile_and_measure(config, devices) -> Measurement:
   frozen_shards = _param_shards(state.frozen, "frozen.") if state.frozen is not None else []
   memory = compiled.memory_analysis()
   counted = hlo_flops.count(compiled.as_text())
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  cost = compiled.cost_analysis()  # None for deviceless GPU compiles
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
   frozen = sum(p.device_bytes for p in frozen_shards)
+  # Accelerator compilers place offloaded activations in host memory themselves.
+  act_host = 0 if backend == "cpu" else int(getattr(memory, "host_temp_size_in_bytes", 0))
   return Measurement(
-      num_devices=len(devices), backend=backend, mesh=mesh_shape, model_cfg=model_cfg,
+      num_devices=len(devices), backend=backend, platform=platform or backend, mesh=mesh_shape,
+      model_cfg=setup.model_cfg,
       params=sum(p.device_bytes for p in param_shards) + frozen, opt_device=opt_device,
       opt_host=opt_host,
       batch=sum(_shard_bytes(x, x.sharding) for x in batch.values()),
@@ -186,7 +210,7 @@ def _compile_and_measure(config, devices) -> Measurement:
       flops=counted.flops, xla_flops=float(cost.get("flops", np.nan)),
       loops_without_trip_count=counted.loops_without_trip_count, compile_s=compile_s,
       param_shards=param_shards + frozen_shards, attention_note=attention_note,
-      frozen=frozen)
+      frozen=frozen, act_host=act_host)
 
 
 def analytic_tokens_per_step(config) -> int:

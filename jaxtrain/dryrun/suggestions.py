@@ -13,8 +13,10 @@ For a config that does not fit, the dry run lists, cheapest in throughput first:
   more devices (fsdp)          params and optimizer state split further              (estimate)
 
 "exact" options change only bytes the dry run knows exactly (optimizer state); "compiled" ones
-are compiled like the base config (with exact optimizer bytes on top); estimates say how they
-were derived. The per-accelerator summary then names the first option in this order that fits.
+are compiled like the base config, by the same compiler (the target's own when it is installed),
+with exact optimizer bytes on top; estimates say how they were derived. The summary then names,
+for each memory size asked about (the target's, or each known chip's when XLA:CPU models an
+unnamed accelerator), the first option in this order that fits.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from jaxtrain import accelerators, aot
-from jaxtrain.accelerators import format_bytes
+from jaxtrain.dryrun import measure as aot
+from jaxtrain.dryrun.targets import Target, format_bytes, verdict
+
+# name -> device memory in bytes: what the verdicts are for (the target, or every known chip).
+Memories = dict[str, float]
 
 _OFFLOADABLE = ("minimal", "save_dots", "save_qkv_proj")
 
@@ -53,9 +58,10 @@ def _microbatch(config, base: aot.Measurement) -> int:
   return t.global_batch_size // (base.mesh.batch_shards * t.grad_accum_steps)
 
 
-def options(config, devices, base: aot.Measurement,
-            table=accelerators.ACCELERATORS) -> list[Option]:
-  """Memory-saving changes to `config`, compiling on `devices` those that need a compile."""
+def options(config, devices, base: aot.Measurement, table: Memories,
+            target: Target | None = None) -> list[Option]:
+  """Memory-saving changes to `config`, compiling on `devices` those that need a compile (for
+  the platform `base` was measured for). `target` names the bigger slices to suggest."""
   found: list[Option] = []
   o, t = config.optim, config.train
   policy = config.model.remat_policy
@@ -71,7 +77,7 @@ def options(config, devices, base: aot.Measurement,
   if microbatch > 1:
     accum = t.grad_accum_steps * microbatch
     overrides = {"train.grad_accum_steps": accum}
-    small = aot.measure(_with(config, overrides), devices)
+    small = aot.measure(_with(config, overrides), devices, base.platform)
     found.append(Option(overrides, f"train.grad_accum_steps={accum}",
                         f"per-device microbatch {microbatch} -> 1, same global batch",
                         small.total, "compiled", small.flops,
@@ -96,7 +102,7 @@ def options(config, devices, base: aot.Measurement,
   full = None
   if policy != "full":
     overrides = {"model.remat_policy": "full"}
-    full = aot.measure(_with(config, overrides), devices)
+    full = aot.measure(_with(config, overrides), devices, base.platform)
     if policy in _OFFLOADABLE:
       moved = max(0, base.temp - full.temp)
       found.append(Option(
@@ -117,7 +123,8 @@ def options(config, devices, base: aot.Measurement,
     # Reuse a compile above when the combination changes only what it changed.
     done = {"": base, _label({"model.remat_policy": "full"}): full,
             _label({"train.grad_accum_steps": t.grad_accum_steps * microbatch}): small}
-    combined = done.get(_label(compiled)) or aot.measure(_with(config, compiled), devices)
+    combined = done.get(_label(compiled)) or aot.measure(_with(config, compiled), devices,
+                                                         base.platform)
     found.append(Option(overrides, _label(overrides), "all of the above together",
                         _without_optimizer_bytes(combined, overrides),
                         "compiled" if compiled else "exact", combined.flops))
@@ -126,7 +133,7 @@ def options(config, devices, base: aot.Measurement,
     tensor = _tensor_parallel(config, devices, base, found[-1])
     if tensor is not None:
       found.append(tensor)
-  found.extend(_more_devices(config, base, found, table))
+  found.extend(_more_devices(config, base, found, table, target))
   return found
 
 
@@ -149,8 +156,8 @@ def _label(overrides: dict[str, object]) -> str:
                   for k, v in overrides.items())
 
 
-def _fits_all(total: float, table) -> bool:
-  return all(accelerators.verdict(a, total).fits for a in table)
+def _fits_all(total: float, table: Memories) -> bool:
+  return all(verdict(memory, total).fits for memory in table.values())
 
 
 def _tensor_parallel(config, devices, base: aot.Measurement, best: Option,
@@ -169,35 +176,36 @@ def _tensor_parallel(config, devices, base: aot.Measurement, best: Option,
   overrides = {**best.overrides, "mesh.data": mesh.data, "mesh.fsdp": mesh.fsdp // tensor,
                "mesh.tensor": tensor,
                "train.grad_accum_steps": t.global_batch_size // (shards * microbatch)}
-  measured = aot.measure(_with(config, _compiled_keys(overrides)), devices)
+  measured = aot.measure(_with(config, _compiled_keys(overrides)), devices, base.platform)
   return Option(overrides, _label(overrides),
                 f"the above with tensor parallelism {tensor} (microbatch {microbatch} kept)",
                 _without_optimizer_bytes(measured, overrides), "compiled", measured.flops)
 
 
 def _largest_microbatch(base: aot.Measurement, small: aot.Measurement, microbatch: int,
-                        accum: int, table) -> dict[str, tuple[int, int]]:
+                        accum: int, table: Memories) -> dict[str, tuple[int, int]]:
   """Per accelerator, the largest microbatch (a divisor of the current one) predicted to fit.
 
   Memory is close to linear in the microbatch (activations) plus a constant (weights, optimizer
   state, gradients); the two compiles (microbatch 1 and the current one) fix the line.
   """
   fit = {}
-  for accelerator in table:
+  for name, memory in table.items():
     best = 0
     for mb in range(1, microbatch):
       if microbatch % mb:
         continue
       total = small.total + (base.total - small.total) * (mb - 1) / (microbatch - 1)
-      if accelerators.verdict(accelerator, total).fits:
+      if verdict(memory, total).fits:
         best = mb
     if best:
-      fit[accelerator.name] = (best, accum * microbatch // best)
+      fit[name] = (best, accum * microbatch // best)
   return fit
 
 
-def _more_devices(config, base: aot.Measurement, found: list[Option], table) -> list[Option]:
-  """More devices in the fsdp axis, on top of the smallest option, for the accelerators that
+def _more_devices(config, base: aot.Measurement, found: list[Option], table: Memories,
+                  target: Target | None) -> list[Option]:
+  """More devices in the fsdp axis, on top of the smallest option, for the memory sizes that
   nothing above fits: parameter and optimizer bytes divide by the factor; the per-device
   microbatch is kept (the global batch grows with the devices)."""
   best = min(found, key=lambda x: x.total) if found else None
@@ -215,17 +223,19 @@ def _more_devices(config, base: aot.Measurement, found: list[Option], table) -> 
     if config.model.d_model % fsdp:
       break
     scaled = {**overrides, "mesh.fsdp": fsdp}
-    result.append(Option({}, f"--dry_run_devices={base.num_devices * factor} {_label(scaled)}",
+    more = (f"--dry_run_target={target.scaled(factor).name}" if target is not None and
+            target.chip is not None else f"--dry_run_devices={base.num_devices * factor}")
+    result.append(Option({}, f"{more} {_label(scaled)}",
                          f"params + optimizer state / {factor}; run it to measure",
                          smallest - state + state / factor, "estimate"))
   return result
 
 
-def describe(found: list[Option], base: aot.Measurement, verdicts, table) -> list[str]:
-  """One line per option (total, what fits), then the cheapest fix per accelerator."""
+def describe(found: list[Option], base: aot.Measurement, table: Memories) -> list[str]:
+  """One line per option (total, what fits), then the cheapest fix per memory size."""
   lines = []
   for option in found:
-    fits = [a.name for a in table if accelerators.verdict(a, option.total).fits]
+    fits = [name for name, memory in table.items() if verdict(memory, option.total).fits]
     lines.append(f"  {option.label}")
     lines.append(f"      {format_bytes(option.total):>11}  {option.how:<8}  {option.effect}")
     lines.append(f"      fits: {', '.join(fits) if fits else 'none of the table'}")
@@ -233,22 +243,24 @@ def describe(found: list[Option], base: aot.Measurement, verdicts, table) -> lis
       per = ", ".join(f"{k} {mb}" for k, (mb, _) in option.microbatch_fit.items())
       lines.append(f"      largest microbatch that fits (interpolated): {per}")
   lines.append("")
-  lines.append("cheapest change that fits, per accelerator (in the order above):")
-  for v in verdicts:
-    if v.fits:
+  lines.append("cheapest change that fits (in the order above):")
+  for name, memory in table.items():
+    if verdict(memory, base.total).fits:
       continue
-    pick = next((x for x in found if accelerators.verdict(v.accelerator, x.total).fits), None)
-    if pick is None:
-      activations = min(x.total for x in found) if found else base.total
-      lines.append(f"  {v.accelerator.name:<12} none of these (the smallest needs "
-                   f"{format_bytes(activations)}, most of it activations): shorten "
-                   f"train.seq_len")
-    elif v.accelerator.name in pick.microbatch_fit:
-      mb, accum = pick.microbatch_fit[v.accelerator.name]
-      how = "; interpolated between the two compiles" if mb > 1 else ""
-      lines.append(f"  {v.accelerator.name:<12} train.grad_accum_steps={accum} (microbatch "
-                   f"{mb}{how})")
-    else:
-      lines.append(f"  {v.accelerator.name:<12} {pick.label} ({format_bytes(pick.total)}, "
-                   f"{pick.how})")
+    lines.append(f"  {name:<12} {best_change(found, base, name, memory)}")
   return lines
+
+
+def best_change(found: list[Option], base: aot.Measurement, name: str, memory: float) -> str:
+  """The first option in `found` that fits devices of `memory` bytes (named `name`), in words."""
+  pick = next((x for x in found if verdict(memory, x.total).fits), None)
+  if pick is None:
+    smallest = min(x.total for x in found) if found else base.total
+    return (f"none of these (the smallest needs {format_bytes(smallest)}, most of it "
+            f"activations): shorten train.seq_len")
+  if name in pick.microbatch_fit:
+    mb, accum = pick.microbatch_fit[name]
+    how = "; interpolated between the two compiles" if mb > 1 else ""
+    return f"--config.train.grad_accum_steps={accum} (microbatch {mb}{how})"
+  label = pick.label if pick.label.startswith("--") else f"--config.{pick.label}"
+  return f"{label} ({format_bytes(pick.total)}, {pick.how})"

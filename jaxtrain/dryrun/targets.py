@@ -1,0 +1,341 @@
+"""What a run is compiled for: the one table of accelerators, and target names over it.
+
+A target is a chip and a count, named as its vendor sells it:
+
+  h100x8, h200x64, a100x16, l4x1, b200x8     NVIDIA GPUs (xN: N GPUs; 8 per host above 8)
+  v4-8, v5p-128                              Cloud TPU, N = TensorCores (2 per chip)
+  v5e-4, v6e-256                             Cloud TPU, N = chips
+  cpu                                        this host's CPU devices (the tiny configs)
+
+Each chip row holds its compiler ("gpu" via the CUDA plugin, "tpu" via libtpu, "cpu"), memory per
+device, dense bf16 peak FLOP/s (for MFU, metrics.py) and what the deviceless compile needs: the
+libtpu topology of a slice, or the GPU's description for XLA's GPU compiler (a
+`GpuTargetConfigProto`). `devices(target)` returns the target's devices without the hardware
+(jax.experimental.topologies), so `jax.jit(...).lower(...).compile()` runs that compiler here.
+
+Memory is what the runtime can hand to a program: CUDA's total device memory; for TPUs the HBM
+libtpu's compiler reports as available (its out-of-memory message, per megacore device). A
+program "fits" with USABLE_FRACTION of it to spare for the runtime, collective buffers and
+fragmentation. (On GPU, JAX preallocates 75% unless XLA_PYTHON_CLIENT_MEM_FRACTION is raised;
+launch/ sets it to 0.95.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import math
+import os
+import re
+
+GIB = 2 ** 30
+USABLE_FRACTION = 0.90
+AOT_INSTALL = "pip install 'jaxtrain[aot]'  (from a checkout: pip install -e '.[aot]')"
+
+
+class TargetError(ValueError):
+  """An unknown or impossible target name; the message is one line listing the valid ones."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+  """What XLA's GPU compiler needs to know of a GPU model (its `gpu_device_info`)."""
+  compute_capability: tuple[int, int]
+  sm_count: int
+  shared_memory_per_sm: int
+  shared_memory_per_block_optin: int
+  threads_per_sm: int
+  fp32_units_per_sm: int
+  l2_cache_bytes: int
+  memory_bandwidth: float  # bytes/s
+  clock_ghz: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  key: str  # target-name prefix: "h100", "v5p", ...
+  name: str  # for people
+  compiler: str  # "gpu" | "tpu" | "cpu"
+  memory_bytes: int  # per JAX device
+  peak_bf16_flops: float  # per JAX device, dense
+  device_kind: str  # regex on jax's `device.device_kind`, for MFU on real hardware
+  gpu: GpuSpec | None = None
+  description: str = ""  # GPU: the CUDA device name the compiler sees
+  # TPU: Cloud TPU counts TensorCores (v4, v5p: 2 per chip, one megacore JAX device per chip)
+  # or chips (v5e, v6e); torus dims of a slice (3 for v4/v5p, 2 for v5e/v6e); valid counts.
+  cores_per_chip: int = 1
+  torus_dims: int = 0
+  counts: tuple[int, ...] = ()
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+  return tuple(2 ** i for i in range(lo.bit_length() - 1, hi.bit_length()))
+
+
+_GPU_COUNTS = (1, 2, 4) + tuple(range(8, 16385, 8))
+
+CHIPS: tuple[Chip, ...] = (
+    Chip("h100", "NVIDIA H100 80GB (SXM)", "gpu", 84_929_347_584, 989e12, r"h100(?!.*pcie)",
+         GpuSpec((9, 0), 132, 233_472, 232_448, 2048, 128, 50 * 2 ** 20, 3.35e12, 1.98),
+         "NVIDIA H100 80GB HBM3", counts=_GPU_COUNTS),
+    Chip("h200", "NVIDIA H200 141GB", "gpu", 150_754_820_096, 989e12, r"h200",
+         GpuSpec((9, 0), 132, 233_472, 232_448, 2048, 128, 50 * 2 ** 20, 4.8e12, 1.98),
+         "NVIDIA H200", counts=_GPU_COUNTS),
+    Chip("b200", "NVIDIA B200 180GB", "gpu", 192_265_846_784, 2250e12, r"b200",
+         GpuSpec((10, 0), 148, 233_472, 232_448, 2048, 128, 126 * 2 ** 20, 8.0e12, 1.965),
+         "NVIDIA B200", counts=_GPU_COUNTS),
+    Chip("a100", "NVIDIA A100 80GB", "gpu", 85_051_572_224, 312e12, r"a100",
+         GpuSpec((8, 0), 108, 167_936, 166_912, 2048, 64, 40 * 2 ** 20, 2.039e12, 1.41),
+         "NVIDIA A100-SXM4-80GB", counts=_GPU_COUNTS),
+    Chip("l4", "NVIDIA L4 24GB", "gpu", 24_152_899_584, 121e12, r"\bl4\b",
+         GpuSpec((8, 9), 58, 102_400, 101_376, 1536, 128, 48 * 2 ** 20, 0.3e12, 2.04),
+         "NVIDIA L4", counts=_GPU_COUNTS),
+    # JAX reports v5e as "TPU v5 lite", v6e as "TPU v6 lite", v5p as "TPU v5p" or "TPU v5".
+    Chip("v4", "TPU v4", "tpu", int(30.75 * GIB), 275e12, r"tpu\s*v4(?!\s*lite|i)", cores_per_chip=2,
+         torus_dims=3, counts=_powers_of_two(8, 4096)),
+    Chip("v5p", "TPU v5p", "tpu", int(95.74 * GIB), 459e12, r"tpu\s*v5(p\b|$)", cores_per_chip=2,
+         torus_dims=3, counts=_powers_of_two(8, 8192)),
+    Chip("v5e", "TPU v5e", "tpu", int(15.75 * GIB), 197e12, r"tpu\s*v5\s*(lite|e\b)", torus_dims=2,
+         counts=(1,) + _powers_of_two(4, 256)),
+    Chip("v6e", "TPU v6e", "tpu", int(31.25 * GIB), 918e12, r"tpu\s*v6\s*(lite|e\b)", torus_dims=2,
+         counts=(1,) + _powers_of_two(4, 256)),
+)
+# Known for MFU only (no target name): datasheet peaks of chips a run may land on.
+OTHER_PEAKS: tuple[tuple[str, str, float], ...] = (
+    (r"h100.*pcie", "NVIDIA H100 PCIe", 756e12),
+)
+_BY_KEY = {c.key: c for c in CHIPS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A named count of one chip, or this host's CPU ("cpu")."""
+  name: str
+  chip: Chip | None  # None for "cpu"
+  count: int  # as named: GPUs, TPU cores (v4/v5p) or chips (v5e/v6e)
+
+  @property
+  def compiler(self) -> str:
+    return self.chip.compiler if self.chip else "cpu"
+
+  @property
+  def num_devices(self) -> int:
+    """JAX devices: one per GPU, per TPU chip (megacore), or this process's CPU devices."""
+    if self.chip is None:
+      import jax  # pylint: disable=import-outside-toplevel
+      return len(jax.devices("cpu"))
+    return self.count // self.chip.cores_per_chip
+
+  @property
+  def memory_bytes(self) -> int:
+    """Memory per device; for "cpu", this host's available memory shared by its devices."""
+    if self.chip is None:
+      return host_available_bytes() // self.num_devices
+    return self.chip.memory_bytes
+
+  @property
+  def usable_bytes(self) -> float:
+    return self.memory_bytes * USABLE_FRACTION
+
+  def scaled(self, factor: int) -> "Target":
+    """The same chip, `factor` times as many (the next slice or host count up)."""
+    sep = "x" if self.chip.compiler == "gpu" else "-"
+    return parse(f"{self.chip.key}{sep}{self.count * factor}")
+
+  def describe(self) -> str:
+    if self.chip is None:
+      return f"this host's CPU ({self.num_devices} devices, {self.memory_bytes / GIB:.1f} GiB each)"
+    unit = {"gpu": "GPUs", "tpu": "TPU chips"}[self.chip.compiler]
+    return (f"{self.num_devices} {self.chip.name} {unit}, {self.memory_bytes / GIB:.1f} GiB "
+            f"each")
+
+
+def valid_names() -> str:
+  """One line of the target names `parse` takes."""
+  gpus = ", ".join(f"{c.key}xN" for c in CHIPS if c.compiler == "gpu")
+  tpus = ", ".join(f"{c.key}-N" for c in CHIPS if c.compiler == "tpu")
+  return (f"{gpus} (N = 1, 2, 4 or a multiple of 8); {tpus} (N as Cloud TPU counts: cores for "
+          f"v4/v5p, chips for v5e/v6e, e.g. v5p-8, v5e-4); cpu")
+
+
+def parse(name: str) -> Target:
+  """The target named `name` ("h100x8", "v5p-128", "cpu"); TargetError lists the valid ones."""
+  text = str(name).strip().lower()
+  if text == "cpu":
+    return Target("cpu", None, 0)
+  match = re.fullmatch(r"([a-z]+\d+[a-z]?)(x|-)(\d+)", text)
+  chip = _BY_KEY.get(match.group(1)) if match else None
+  if chip is None or match.group(2) != ("x" if chip.compiler == "gpu" else "-"):
+    raise TargetError(f"unknown target {name!r}; valid targets: {valid_names()}")
+  count = int(match.group(3))
+  if count not in chip.counts:
+    shown = ", ".join(str(n) for n in chip.counts[:12]) + (", ..." if len(chip.counts) > 12
+                                                           else "")
+    raise TargetError(f"target {name!r}: {chip.name} comes in counts {shown}; e.g. "
+                      f"{chip.key}{match.group(2)}{chip.counts[min(3, len(chip.counts) - 1)]}")
+  return Target(f"{chip.key}{match.group(2)}{count}", chip, count)
+
+
+def chip_for_device_kind(device_kind: str) -> tuple[str, float] | None:
+  """(name, dense bf16 peak FLOP/s) of the chip jax calls `device_kind`, or None if unknown."""
+  kind = device_kind.strip().lower()
+  for pattern, name, peak in OTHER_PEAKS:  # more specific variants first (H100 PCIe)
+    if re.search(pattern, kind):
+      return name, peak
+  for chip in CHIPS:
+    if re.search(chip.device_kind, kind):
+      return chip.name, chip.peak_bf16_flops
+  return None
+
+
+# --- the deviceless compilers ------------------------------------------------------------------
+
+def compiler_missing(target: Target) -> str | None:
+  """None when this process can compile for `target`; else one line saying what to install."""
+  package = {"gpu": ("jax_plugins.xla_cuda12", "the CUDA plugin (jax-cuda12-plugin)"),
+             "tpu": ("libtpu", "libtpu")}.get(target.compiler)
+  if package is None or importlib.util.find_spec(package[0]) is not None:
+    return None
+  return (f"{package[1]} is not installed, so this compiles with XLA:CPU (an estimate, not "
+          f"{target.compiler.upper()} memory); for the real compiler: {AOT_INSTALL}")
+
+
+def devices(target: Target) -> list:
+  """The target's JAX devices, without its hardware (or this host's CPU devices for "cpu")."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if target.chip is None:
+    return jax.devices("cpu")
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  if target.compiler == "tpu":
+    _quiet_libtpu_outside_tpu_vms()
+    options = _tpu_host_bounds(target)
+    if target.chip.cores_per_chip == 2:
+      options["chip_config_name"] = "megacore"  # one JAX device per chip, as on the pods
+    topology = topologies.get_topology_desc(
+        topology_name=f"{target.chip.key}:{tpu_topology(target)}", platform="tpu", **options)
+  else:
+    topology = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(
+        target.chip), topology=gpu_topology(target))
+  found = list(topology.devices)
+  if len(found) != target.num_devices:
+    raise TargetError(f"target {target.name}: the compiler's topology has {len(found)} devices, "
+                      f"expected {target.num_devices}")
+  return found
+
+
+def tpu_topology(target: Target) -> str:
+  """The slice's torus shape, e.g. "2x2x1" for v5p-8 (4 chips), "4x4" for v5e-16."""
+  chips = target.count // target.chip.cores_per_chip
+  if target.chip.torus_dims == 2:
+    dims = [1, 1]
+  else:  # the smallest 3-D slice is 2x2x1 (4 chips)
+    dims = [2, 2, 1]
+  while math.prod(dims) < chips:
+    smallest = min(dims)
+    last = max(i for i, d in enumerate(dims) if d == smallest)  # grow z, then y, then x
+    dims[last] *= 2
+  return "x".join(str(d) for d in dims)
+
+
+def _tpu_host_bounds(target: Target) -> dict[str, object]:
+  """Hosts of v5e/v6e slices up to 8 chips hold the whole slice (libtpu's default host is 2x2)."""
+  chips = target.count // target.chip.cores_per_chip
+  if target.chip.torus_dims != 2 or chips not in (1, 8):
+    return {}
+  return {"chips_per_host_bounds": [1, 1, 1] if chips == 1 else [2, 4, 1]}
+
+
+def gpu_topology(target: Target) -> str:
+  """"slices x hosts x GPUs per host": up to 8 GPUs on one host, then hosts of 8."""
+  per_host = min(target.count, 8)
+  return f"1x{target.count // per_host}x{per_host}"
+
+
+def _package_version(name: str, default: tuple[int, int]) -> tuple[int, int]:
+  try:
+    major, minor = importlib.metadata.version(name).split(".")[:2]
+    return int(major), int(minor)
+  except (importlib.metadata.PackageNotFoundError, ValueError):
+    return default
+
+
+def gpu_target_config(chip: Chip) -> str:
+  """XLA's `GpuTargetConfigProto` (text format) for `chip`: the GPU the compiler plans for.
+
+  cuDNN and CUDA versions are those installed (the aot extra), which the compiler's cuDNN
+  fusions are built against.
+  """
+  g = chip.gpu
+  cudnn = _package_version("nvidia-cudnn-cu12", (9, 8))
+  cuda = _package_version("nvidia-cuda-runtime-cu12", (12, 8))
+  fields = {
+      "threads_per_block_limit": 1024, "threads_per_warp": 32,
+      "shared_memory_per_block": 48 * 1024, "shared_memory_per_core": g.shared_memory_per_sm,
+      "threads_per_core_limit": g.threads_per_sm, "core_count": g.sm_count,
+      "fpus_per_core": g.fp32_units_per_sm, "block_dim_limit_x": 2 ** 31 - 1,
+      "block_dim_limit_y": 65535, "block_dim_limit_z": 65535,
+      "memory_bandwidth": int(g.memory_bandwidth), "l2_cache_size": g.l2_cache_bytes,
+      "clock_rate_ghz": g.clock_ghz, "device_memory_size": chip.memory_bytes,
+      "shared_memory_per_block_optin": g.shared_memory_per_block_optin,
+      "registers_per_core_limit": 65536, "registers_per_block_limit": 65536,
+  }
+  info = " ".join(f"{k}: {v}" for k, v in fields.items())
+  major, minor = g.compute_capability
+  return (f"gpu_device_info {{ {info} cuda_compute_capability {{ major: {major} minor: {minor} }}"
+          f" }} platform_name: \"CUDA\" dnn_version_info {{ major: {cudnn[0]} minor: {cudnn[1]} }}"
+          f" runtime_version {{ major: {cuda[0]} minor: {cuda[1]} }} "
+          f"device_description_str: \"{chip.description}\"")
+
+
+def _quiet_libtpu_outside_tpu_vms():
+  """libtpu looks for the TPU VM's metadata when it loads and prints warnings where there is
+  none; a deviceless compile needs none, so name a host for it (never on a TPU VM)."""
+  if not os.path.exists("/dev/accel0") and not os.path.exists("/dev/vfio/0"):
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
+
+def host_available_bytes() -> int:
+  """Memory this host can still give a process (MemAvailable), for the CPU target."""
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+# --- the verdict -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+  status: str  # "fits" | "tight" | "does not fit"
+  headroom_bytes: float  # usable memory minus the program's; negative when it does not fit
+
+  @property
+  def fits(self) -> bool:
+    return self.status == "fits"
+
+
+def verdict(memory_bytes: float, device_bytes: float) -> Verdict:
+  """Whether a program needing `device_bytes` per device runs on devices of `memory_bytes`."""
+  usable = memory_bytes * USABLE_FRACTION
+  if device_bytes <= usable:
+    status = "fits"
+  elif device_bytes <= memory_bytes:
+    status = "tight"
+  else:
+    status = "does not fit"
+  return Verdict(status, usable - device_bytes)
+
+
+def format_bytes(n: float, signed: bool = False) -> str:
+  """12.34 GiB, 56.7 MiB, 8.0 KiB: GiB from 0.1 GiB up, so large figures compare at a glance."""
+  sign = "+" if signed and n >= 0 else ""
+  for unit, scale, digits in (("GiB", GIB, 2), ("MiB", 2 ** 20, 1), ("KiB", 2 ** 10, 1)):
+    if abs(n) >= 0.1 * scale or unit == "KiB":
+      return f"{sign}{n / scale:.{digits}f} {unit}"
+  return ""
