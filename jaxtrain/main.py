@@ -93,6 +93,7 @@ def main(argv):
   from jaxtrain import trainer  # pylint: disable=import-outside-toplevel
   from jaxtrain.health import TrainingHealthError  # pylint: disable=import-outside-toplevel
   from jaxtrain.data.sources import DataError  # pylint: disable=import-outside-toplevel
+  from jaxtrain.preflight import DoesNotFitError  # pylint: disable=import-outside-toplevel
   workdir = _WORKDIR.value or _default_workdir()
   start = time.perf_counter()
   try:
@@ -109,7 +110,10 @@ def main(argv):
       distributed.exit_with_error("config error", str(e), 2, peers_fail_too=True)
     # Checks that need the data (tokenizer vs vocab, batch vs process count) raise ConfigError
     # from inside run(), still before anything compiles.
-    result = trainer.run(config, workdir, mesh_shape)
+    result = trainer.run(config, workdir, mesh_shape,
+                         config_flags.get_config_filename(flags.FLAGS["config"]))
+  except DoesNotFitError as e:
+    distributed.exit_with_error("does not fit", str(e), 2, peers_fail_too=True)
   except ConfigError as e:
     distributed.exit_with_error("config error", str(e), 2)
   except DataError as e:

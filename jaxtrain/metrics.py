@@ -20,8 +20,8 @@ FLOPs per token -- the one formula used everywhere (console, metrics.jsonl, star
   Rematerialisation is also not counted: MFU credits model FLOPs, not recomputed ones.
 
 MFU = tokens_per_sec * flops_per_token / (peak FLOP/s per device * number of devices). The peak
-comes from a table of dense bf16 figures for known accelerators; on CPU it is measured (see
-`measure_cpu_matmul_peak`). Unknown accelerators get no peak, and MFU is reported as n/a rather
+comes from the accelerator table's dense bf16 figures (jaxtrain/dryrun/targets.py); on CPU it is
+measured (see `measure_cpu_matmul_peak`). Unknown accelerators get no peak, and MFU is reported as n/a rather
 than a number computed against a guessed peak.
 """
 
@@ -32,27 +32,12 @@ import json
 import math
 import numbers
 import os
-import re
 import time
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-# Dense (no sparsity) bf16 peak FLOP/s per chip, from vendor datasheets. Order matters: the first
-# pattern that matches `device.device_kind` (case-insensitively) wins, so more specific variants
-# (H100 PCIe, v5 lite) come before the general ones.
-PEAK_FLOPS_TABLE: tuple[tuple[str, str, float], ...] = (
-    # (regex on device_kind, name, peak FLOP/s)
-    (r"h100.*pcie", "NVIDIA H100 PCIe", 756e12),
-    (r"h100", "NVIDIA H100 SXM", 989e12),
-    (r"h200", "NVIDIA H200", 989e12),
-    (r"a100", "NVIDIA A100", 312e12),
-    (r"tpu\s*v4(?!\s*lite|i)", "TPU v4", 275e12),
-    # JAX reports v5e as "TPU v5 lite" and v5p as "TPU v5p" (older runtimes: plain "TPU v5").
-    (r"tpu\s*v5\s*(lite|e\b)", "TPU v5e", 197e12),
-    (r"tpu\s*v5(p\b|$)", "TPU v5p", 459e12),
-    (r"tpu\s*v6\s*(lite|e\b)", "TPU v6e", 918e12),
-)
+from jaxtrain.dryrun import targets
 
 # Size of the square float32 matmul used to measure a CPU host: big enough that dispatch overhead
 # is negligible and XLA spreads it over all cores, small enough to time in tens of milliseconds.
@@ -155,17 +140,18 @@ def measure_cpu_matmul_peak(n: int = _CPU_MATMUL_N, budget_s: float = _CPU_MEASU
 
 
 def _lookup_peak(device_kind: str) -> Optional[tuple[float, str]]:
-  kind = device_kind.strip().lower()
-  for pattern, name, peak in PEAK_FLOPS_TABLE:
-    if re.search(pattern, kind):
-      return peak, f"{name} dense bf16 peak (table), device_kind {device_kind!r}"
-  return None
+  found = targets.chip_for_device_kind(device_kind)
+  if found is None:
+    return None
+  name, peak = found
+  return peak, f"{name} dense bf16 peak (table), device_kind {device_kind!r}"
 
 
 def peak_flops_per_device(device) -> tuple[Optional[float], str]:
   """Peak FLOP/s of one device and where the figure comes from.
 
-  Accelerators: looked up in PEAK_FLOPS_TABLE by `device.device_kind`. CPU: the measured host
+  Accelerators: looked up in the accelerator table (jaxtrain/dryrun/targets.py) by
+  `device.device_kind`. CPU: the measured host
   matmul throughput divided by the number of local CPU devices -- emulated CPU devices
   (`jax_num_cpu_devices`) all share the same cores, so each gets that share, and per-device peak
   times device count is the host's peak. Unknown accelerators: (None, reason), so that MFU is

@@ -7,6 +7,7 @@ one step late → writers }.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from jaxtrain.data import shards as data_shards
 from jaxtrain.checkpoint import Checkpointer, abstract_like, load_params
 from jaxtrain import host_memory
 from jaxtrain import metrics as metrics_lib
+from jaxtrain import preflight
 from jaxtrain.config_checks import MeshShape
 from jaxtrain.health import LossSpikeDetector, check_bad_streak
 from jaxtrain.mesh import batch_sharding, make_mesh
@@ -68,6 +70,7 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
   per_device = t.global_batch_size / mesh_shape.batch_shards
   rows = [
       ("devices", f"{n} × {devices[0].device_kind} ({jax.process_count()} process(es))"),
+      ("target", f"{config.target} (what the config is sized for; --dry_run compiles for it)"),
   ]
   if devices[0].platform == "cpu":
     rows.append(("host memory", host_memory.describe()))
@@ -121,11 +124,17 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
   return metrics_lib.format_table(rows)
 
 
-def run(config, workdir: str, mesh_shape: MeshShape) -> dict[str, float]:
-  """Trains per `config`, writing metrics under `workdir`. Returns the final train/eval loss."""
+def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> dict[str, float]:
+  """Trains per `config`, writing metrics under `workdir`. Returns the final train/eval loss.
+
+  Raises preflight.DoesNotFitError, before allocating or writing anything, when the step cannot
+  fit the devices' memory (`config_path` goes into the message's dry-run command).
+  """
   mesh = make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor,
                    dcn_data=config.mesh.dcn_data, dcn_fsdp=config.mesh.dcn_fsdp)
   setup = build(config, mesh)
+  # Compiled on abstract inputs and checked against the devices' memory; the loop runs it.
+  setup = dataclasses.replace(setup, train_step=preflight.check(config, setup, config_path))
   t = config.train
   is_chief = jax.process_index() == 0
 

@@ -165,15 +165,59 @@ def compile_step(config, devices, platform: str | None = None):
   model_cfg, attention_note = modelled_model_config(config, backend, platform)
   # The step exactly as the trainer builds it, frozen weights (LoRA base, DPO reference) included.
   setup = train_setup.build(config, mesh, model_cfg)
-  state = train_setup.abstract_state(setup, config.train.seed)
-  batch = abstract_batch(config, mesh)
-  with jax.set_mesh(mesh):
-    lowered = setup.train_step.lower(state, batch)
-    # Options that leave buffers and FLOPs as they are but halve XLA:CPU's compile time are
-    # only for programs that never run (a model of an accelerator).
-    options = _CPU_COMPILE_OPTIONS if backend == "cpu" and platform != "cpu" else None
-    compiled = lowered.compile(options)
+  # Options that leave buffers and FLOPs as they are but halve XLA:CPU's compile time are only
+  # for programs that never run (a model of an accelerator).
+  options = _CPU_COMPILE_OPTIONS if backend == "cpu" and platform != "cpu" else None
+  compiled, state, batch = compile_setup(setup, config, options)
   return compiled, setup, state, batch, attention_note, mesh_shape
+
+
+def compile_setup(setup: train_setup.Setup, config, options=None):
+  """(compiled train step, abstract state, abstract batch) of a built setup: what the trainer
+  runs, compiled on abstract inputs before any weight exists."""
+  state = train_setup.abstract_state(setup, config.train.seed)
+  batch = abstract_batch(config, setup.mesh)
+  with jax.set_mesh(setup.mesh):
+    compiled = setup.train_step.lower(state, batch).compile(options)
+  return compiled, state, batch
+
+
+@dataclasses.dataclass
+class StateBytes:
+  """Exact per-device bytes of a train state, from its shardings."""
+  params: int  # trained and frozen
+  frozen: int
+  opt_device: int
+  opt_host: int
+
+  @property
+  def on_device(self) -> int:
+    return self.params + self.opt_device
+
+
+def state_bytes(state) -> StateBytes:
+  opt_device = opt_host = 0
+  for a in jax.tree.leaves(state.opt_state):
+    if a.sharding.memory_kind in HOST_MEMORY_KINDS:
+      opt_host += _shard_bytes(a, a.sharding)
+    else:
+      opt_device += _shard_bytes(a, a.sharding)
+  trained = sum(_shard_bytes(a, a.sharding) for a in jax.tree.leaves(state.params))
+  frozen = (sum(_shard_bytes(a, a.sharding) for a in jax.tree.leaves(state.frozen))
+            if state.frozen is not None else 0)
+  return StateBytes(trained + frozen, frozen, opt_device, opt_host)
+
+
+def batch_bytes(batch) -> int:
+  return sum(_shard_bytes(x, x.sharding) for x in batch.values())
+
+
+def compiled_bytes(compiled) -> tuple[int, int]:
+  """(temporaries, new outputs) per device of a compiled step: outputs not written over the
+  donated inputs count, the rest reuse the inputs' buffers."""
+  memory = compiled.memory_analysis()
+  return (int(memory.temp_size_in_bytes),
+          max(0, int(memory.output_size_in_bytes) - int(memory.alias_size_in_bytes)))
 
 
 def _compile_and_measure(config, devices, platform: str | None = None) -> Measurement:
@@ -183,34 +227,25 @@ def _compile_and_measure(config, devices, platform: str | None = None) -> Measur
   compile_s = time.perf_counter() - start
   backend = platform_of_backend(devices[0].platform)
 
-  opt_device = opt_host = 0
-  for a in jax.tree.leaves(state.opt_state):
-    if a.sharding.memory_kind in HOST_MEMORY_KINDS:
-      opt_host += _shard_bytes(a, a.sharding)
-    else:
-      opt_device += _shard_bytes(a, a.sharding)
+  exact = state_bytes(state)
   param_shards = _param_shards(state.params)
   frozen_shards = _param_shards(state.frozen, "frozen.") if state.frozen is not None else []
   memory = compiled.memory_analysis()
+  temp, outputs = compiled_bytes(compiled)
   counted = hlo_flops.count(compiled.as_text())
   cost = compiled.cost_analysis()  # None for deviceless GPU compiles
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-  frozen = sum(p.device_bytes for p in frozen_shards)
   # Accelerator compilers place offloaded activations in host memory themselves.
   act_host = 0 if backend == "cpu" else int(getattr(memory, "host_temp_size_in_bytes", 0))
   return Measurement(
       num_devices=len(devices), backend=backend, platform=platform or backend, mesh=mesh_shape,
-      model_cfg=setup.model_cfg,
-      params=sum(p.device_bytes for p in param_shards) + frozen, opt_device=opt_device,
-      opt_host=opt_host,
-      batch=sum(_shard_bytes(x, x.sharding) for x in batch.values()),
-      temp=int(memory.temp_size_in_bytes),
-      outputs=max(0, int(memory.output_size_in_bytes) - int(memory.alias_size_in_bytes)),
+      model_cfg=setup.model_cfg, params=exact.params, opt_device=exact.opt_device,
+      opt_host=exact.opt_host, batch=batch_bytes(batch), temp=temp, outputs=outputs,
       compiler_arguments=int(memory.argument_size_in_bytes),
       flops=counted.flops, xla_flops=float(cost.get("flops", np.nan)),
       loops_without_trip_count=counted.loops_without_trip_count, compile_s=compile_s,
       param_shards=param_shards + frozen_shards, attention_note=attention_note,
-      frozen=frozen, act_host=act_host)
+      frozen=exact.frozen, act_host=act_host)
 
 
 def analytic_tokens_per_step(config) -> int:
