@@ -34,8 +34,8 @@ def get_config():
   c.data.format = "chat"
   c.data.eval_fraction = 0.02
   c.train.seq_len = 4096
-  # One 4096-token sequence per device per microbatch on 8 devices. --dry_run_devices=8 (XLA:CPU
-  # estimate): 36.0 GiB per device; QLoRA 32.0; full fine-tuning 52.0 (docs/finetuning.md).
+  # One 4096-token sequence per GPU per microbatch on the 8 H100s of llama8b.py's target:
+  # `--dry_run` (XLA's GPU compiler) needs 16.1 GiB per GPU (docs/finetuning.md).
   c.train.global_batch_size = 32
   c.train.grad_accum_steps = 4
   c.train.steps = 2000

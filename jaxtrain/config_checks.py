@@ -54,6 +54,22 @@ def resolve_mesh_shape(config, num_devices: int) -> MeshShape:
   return MeshShape(**sizes)
 
 
+def _check_cudnn_lengths(config, platform: str):
+  """cuDNN's fused attention trains with a mask (packed documents) only on even lengths; a DPO
+  row is a prompt and response of train.seq_len + 1 tokens."""
+  impl = config.attention.impl
+  if platform != "gpu" or impl not in ("cudnn", "auto"):
+    return
+  t = config.train
+  length = t.seq_len + 1 if t.objective == "dpo" else t.seq_len
+  if length % 2:
+    row = (f"a DPO row is train.seq_len + 1 = {length} tokens" if t.objective == "dpo"
+           else f"rows are {length} tokens")
+    raise ConfigError(f"train.seq_len={t.seq_len}: {row}, and cuDNN attention (attention.impl="
+                      f"{impl!r} on GPU) needs an even length; use train.seq_len="
+                      f"{t.seq_len - 1}, or attention.impl='pallas'")
+
+
 def _positive(config, key: str):
   node = config
   for part in key.split("."):
@@ -108,6 +124,7 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
     raise ConfigError(f"attention.impl='pallas': the kernels compile for GPU or TPU, this backend "
                       f"is {platform!r}; set attention.interpret=True to run them in the Pallas "
                       f"interpreter (slow, for tests), or use 'xla'")
+  _check_cudnn_lengths(config, platform)
   for key in ("block_q", "block_k"):
     if config.attention[key] < 0:
       raise ConfigError(f"attention.{key}={config.attention[key]}: must be >= 0 (0: the "

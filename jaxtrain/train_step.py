@@ -146,9 +146,11 @@ def make_grad_fn(graphdef, *, grad_accum_steps: int = 1, loss_chunk_size: int = 
         i, mb = xs
         mb = {k: shard(v, ("act_batch", "act_length")) for k, v in mb.items()}
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
-        loss_sum, count, aux, grads = value_and_grad(params, frozen, mb, key)
-        acc_loss, acc_count, acc_aux, acc_grads = carry
-        return (acc_loss + loss_sum, acc_count + count,
+        # Params and frozen weights ride in the carry, unchanged: NNX refuses to merge a model
+        # (the DPO reference) from tracers of the trace outside the scan.
+        (params_, frozen_), acc_loss, acc_count, acc_aux, acc_grads = carry
+        loss_sum, count, aux, grads = value_and_grad(params_, frozen_, mb, key)
+        return ((params_, frozen_), acc_loss + loss_sum, acc_count + count,
                 jax.tree.map(jnp.add, acc_aux, aux),
                 jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)), None
 
@@ -159,8 +161,9 @@ def make_grad_fn(graphdef, *, grad_accum_steps: int = 1, loss_chunk_size: int = 
           lambda p, f, b: loss_sums(p, f, b, constants_fn(p, f, b), None)[2], params, frozen,
           jax.tree.map(lambda x: x[0], first))
       zero_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes)
-      init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zero_aux, zeros)
-      (loss_sum, count, aux, grads), _ = jax.lax.scan(
+      init = ((params, frozen), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+              zero_aux, zeros)
+      (_, loss_sum, count, aux, grads), _ = jax.lax.scan(
           accumulate, init, (jnp.arange(grad_accum_steps), first))
       grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     denom = jnp.maximum(count, 1.0)
