@@ -10,7 +10,8 @@ from flax import nnx
 
 from jaxtrain.dpo import dpo_loss, sequence_logprobs
 from jaxtrain.model import ModelConfig
-from jaxtrain.sharding import create_model
+from jaxtrain.sharding import create_model, init_params
+from jaxtrain.train_step import Frozen, make_grad_fn
 from tests.helpers import mesh_of
 
 CFG = ModelConfig(vocab_size=61, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
@@ -109,3 +110,25 @@ def test_a_missing_key_is_named():
   del batch["rejected_loss_mask"]
   with pytest.raises(KeyError, match="rejected_loss_mask"):
     dpo_loss(None, None, batch, beta=0.1)  # checked before either model runs
+
+
+def test_grad_accumulation_equals_full_batch():
+  # The frozen reference enters the accumulation scan; its log-probs and the policy's gradients
+  # must come out as for the whole batch at once.
+  mesh = mesh_of((1, 1, 1))
+  graphdef, params = init_params(CFG, mesh, seed=0)
+  _, reference = init_params(CFG, mesh, seed=1)
+  batch = _batch(seed=3, b=4)
+
+  def run(steps):
+    grad_fn = jax.jit(make_grad_fn(graphdef, grad_accum_steps=steps, loss_chunk_size=8,
+                                   objective="dpo", dpo_beta=0.1))
+    with jax.set_mesh(mesh):
+      loss, count, grads = grad_fn(params, batch, Frozen(reference=reference))
+    return float(loss), float(count), jax.tree.leaves(nnx.to_pure_dict(grads))
+
+  full, accumulated = run(1), run(2)
+  assert accumulated[1] == full[1] == 4
+  np.testing.assert_allclose(accumulated[0], full[0], rtol=1e-5)
+  for a, f in zip(accumulated[2], full[2]):
+    np.testing.assert_allclose(a, f, atol=1e-6, rtol=1e-4)

@@ -12,13 +12,15 @@ import numpy as np
 import optax
 import pytest
 
-from jaxtrain import accelerators, aot, dry_run, fit_options, hlo_flops
 from jaxtrain import config as config_lib
 from jaxtrain import config_checks
 from jaxtrain.attention import xla_attention
 from jaxtrain.blockwise_attention import blockwise_attention
 from jaxtrain.config import ConfigError
 from jaxtrain.config_checks import validate
+from jaxtrain.dryrun import command, hlo_flops, suggestions
+from jaxtrain.dryrun import measure as aot
+from jaxtrain.dryrun.targets import GIB, verdict
 from jaxtrain.model import ModelConfig, remat_policy
 from jaxtrain.optim import learning_rate_schedule, make_optimizer, weight_decay_mask
 from jaxtrain.sharding import abstract_model, init_params
@@ -28,11 +30,14 @@ from jaxtrain.trainer import to_global_batch
 from tests.helpers import mesh_of, packed_batch, small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAST_LINE = re.compile(r"^dry_run: devices=(\d+) params_gib=(\S+) opt_gib=(\S+) temp_gib=(\S+) "
-                       r"total_gib=(\S+)$")
-# An accelerator nothing fits on, and one everything small fits on.
-TABLE = (accelerators.Accelerator("Tiny 1KiB", "gpu", 2.0 ** -20),
-         accelerators.Accelerator("H100 80GB", "gpu", 80.0))
+# The line scripts read (jaxtrain/dryrun/command.py: the contract), matched whole.
+LAST_LINE = re.compile(r"^dry_run: target=(?P<target>\S+) compiler=(?P<compiler>gpu|tpu|cpu) "
+                       r"devices=(?P<devices>\d+) params_gib=(?P<params>\S+) "
+                       r"opt_gib=(?P<opt>\S+) temp_gib=(?P<temp>\S+) total_gib=(?P<total>\S+) "
+                       r"fits=(?P<fits>yes|no)$")
+# Memory sizes the verdicts are for: one nothing fits on (judged first), one everything small
+# fits on.
+TABLE = {"Tiny 1KiB": 2**-20 * GIB, "H100 80GB": 80 * GIB}
 
 
 def _dry_config(fsdp=2):
@@ -51,8 +56,12 @@ def _exact_param_bytes(config, mesh_shape):
 
 @pytest.fixture(scope="module")
 def fsdp2():
+  """The command on 2 CPU devices modelling an unnamed accelerator (no target, as with
+  --dry_run_devices=2), its verdicts for TABLE's memory sizes."""
   lines = []
-  result = dry_run.run(_dry_config(2), jax.devices()[:2], "small", out=lines.append, table=TABLE)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(command, "memories_for", lambda target, config: dict(TABLE))
+    result = command.run(_dry_config(2), jax.devices()[:2], None, "small", out=lines.append)
   return result, lines
 
 
@@ -61,8 +70,9 @@ def test_last_line_is_machine_readable_and_params_are_exact(fsdp2):
   assert lines[-1] == result.last_line
   match = LAST_LINE.match(lines[-1])
   assert match, lines[-1]
-  devices, params, opt, temp, total = match.groups()
-  assert int(devices) == 2
+  target, compiler, devices, params, opt, temp, total, fits = match.groups()
+  assert (target, compiler, int(devices)) == ("none", "cpu", 2)
+  assert fits == "no" and not result.fits  # judged against the first size, Tiny 1KiB
   exact = _exact_param_bytes(_dry_config(2), (1, 2, 1))
   assert result.base.params == exact
   assert float(params) == pytest.approx(exact / 2**30, rel=1e-5)
@@ -90,9 +100,12 @@ def test_param_bytes_halve_when_fsdp_doubles(fsdp2):
 
 def test_a_config_that_does_not_fit_gets_suggestions(fsdp2):
   result, lines = fsdp2
-  verdicts = {v.accelerator.name: v for v in result.verdicts}
-  assert verdicts["Tiny 1KiB"].status == "does not fit"
-  assert verdicts["H100 80GB"].fits
+  assert verdict(TABLE["Tiny 1KiB"], result.base.total).status == "does not fit"
+  assert verdict(TABLE["H100 80GB"], result.base.total).fits
+  at = next(i for i, line in enumerate(lines) if line.startswith("verdict:"))
+  tiny, h100 = lines[at + 1:at + 3]  # one line per memory size, in TABLE's order
+  assert tiny.split()[:2] == ["Tiny", "1KiB"] and "does not fit" in tiny
+  assert h100.split()[:2] == ["H100", "80GB"] and " fits " in h100
   labels = [o.label for o in result.options]
   assert "optim.state_dtype=bfloat16" in labels and "optim.offload_state=True" in labels
   assert any(label.startswith("--dry_run_devices=4") for label in labels)
@@ -105,17 +118,17 @@ def test_a_config_that_does_not_fit_gets_suggestions(fsdp2):
 
 def _measurement(temp_gib):
   return aot.Measurement(
-      num_devices=1, backend="cpu", mesh=None, model_cfg=None, params=0, opt_device=0,
-      opt_host=0, batch=0, temp=int(temp_gib * 2**30), outputs=0, compiler_arguments=0,
-      flops=0.0, xla_flops=0.0, loops_without_trip_count=0, compile_s=0.0, param_shards=[],
-      attention_note="")
+      num_devices=1, backend="cpu", platform="gpu", mesh=None, model_cfg=None, params=0,
+      opt_device=0, opt_host=0, batch=0, temp=int(temp_gib * 2**30), outputs=0,
+      compiler_arguments=0, flops=0.0, xla_flops=0.0, loops_without_trip_count=0, compile_s=0.0,
+      param_shards=[], attention_note="")
 
 
 def test_microbatch_suggestion_interpolates_between_compiles():
   """Memory is taken as linear in the microbatch between the two compiled points."""
   base, small = _measurement(17), _measurement(2)  # microbatch 16 and 1: 1 GiB per sequence
-  table = (accelerators.Accelerator("A", "gpu", 10.0),)  # 9 GiB usable: microbatch <= 8
-  assert fit_options._largest_microbatch(base, small, 16, 1, table) == {"A": (8, 2)}
+  table = {"A": 10 * GIB}  # 9 GiB usable: microbatch <= 8
+  assert suggestions._largest_microbatch(base, small, 16, 1, table) == {"A": (8, 2)}
 
 
 def test_remat_policy_names_are_validated():
@@ -301,7 +314,8 @@ def test_cli_reruns_itself_with_emulated_devices():
   lines = proc.stdout.strip().splitlines()
   assert "re-running with 2 emulated CPU devices" in lines[0]
   match = LAST_LINE.match(lines[-1])
-  assert match and match.group(1) == "2", lines[-1]
+  assert match, lines[-1]
+  assert (match["target"], match["compiler"], match["devices"]) == ("none", "cpu", "2")
 
 
 def test_cli_config_error_is_one_line_exit_2():
@@ -319,8 +333,9 @@ def test_llama8b_on_8_devices():
               "--config.train.grad_accum_steps=32", "--config.model.remat_policy=full")
   assert proc.returncode == 0, proc.stderr[-3000:]
   match = LAST_LINE.match(proc.stdout.strip().splitlines()[-1])
-  assert match and match.group(1) == "8"
-  params_gib = float(match.group(2))
+  assert match, proc.stdout[-3000:]
+  assert (match["target"], match["compiler"], match["devices"]) == ("none", "cpu", "8")
+  params_gib = float(match["params"])
   assert params_gib == pytest.approx(8.03e9 * 4 / 8 / 2**30, rel=0.01)
-  assert float(match.group(3)) == pytest.approx(2 * params_gib, rel=0.001)
+  assert float(match["opt"]) == pytest.approx(2 * params_gib, rel=0.001)
   assert "H100 80GB" in proc.stdout

@@ -7,8 +7,11 @@ the optimized HLO text instead: FLOPs of every `dot` (2 * output elements * cont
 each computation weighted by how often it runs — a while body by its `known_trip_count`, which
 XLA records for the counted loops that `lax.scan` produces.
 
-Only dots are counted (the model's matmuls, attention included); elementwise work is left out as
-in the analytic formula (metrics.flops_per_token).
+Only matmuls are counted (the model's, attention included): `dot`s, and the `convolution`s that
+libtpu's compiler rewrites them into; elementwise work is left out as in the analytic formula
+(metrics.flops_per_token). libtpu also drops `known_trip_count` from its loops: the trip count is
+then read from the loop condition (`counter < N` against one integer constant), as XLA's own loop
+analysis does.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ _CALLEE = re.compile(r"\b(calls|body|to_apply|branch_computations|called_computa
                      r"(\{[^}]*\}|%?[\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
+_INT_CONSTANT = re.compile(r"^[su]\d+\[\](?:\{[^}]*\})?\s*constant\((\d+)\)")
 
 
 @dataclasses.dataclass
@@ -38,6 +43,11 @@ class HloFlops:
 class _Computation:
   dot_flops: float = 0.0
   calls: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (callee, times)
+  # Loop conditions: the integer constants and whether a `<` compare is among the instructions.
+  int_constants: list[int] = dataclasses.field(default_factory=list)
+  compares_less: bool = False
+  # While loops without a known trip count: (body, condition), resolved once all are parsed.
+  open_loops: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
 
 def _split_type(rest: str) -> tuple[str, str]:
@@ -98,6 +108,13 @@ def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str | None, int, int
     type_str, op_text = _split_type(rest)
     shapes[name] = _dims(type_str)
     opcode = op_text.split("(", 1)[0].strip()
+    constant = _INT_CONSTANT.match(rest)
+    if constant:
+      current.int_constants.append(int(constant.group(1)))
+    if opcode == "compare" and "direction=LT" in op_text:
+      current.compares_less = True
+    if opcode == "convolution":
+      current.dot_flops += _convolution_flops(shapes, name, op_text)
     if opcode == "dot":
       out, operands = shapes[name], _operands(op_text)
       lhs = shapes.get(operands[0]) if operands else None
@@ -109,13 +126,44 @@ def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str | None, int, int
     if opcode == "while":
       loops += 1
       trip = _TRIP_COUNT.search(op_text)
-      unknown += trip is None
-      times = int(trip.group(1)) if trip else 1
+      if trip:
+        times = int(trip.group(1))
+      else:
+        callees = dict(_CALLEE.findall(op_text))
+        condition = re.search(r"condition=%?([\w.\-]+)", op_text)
+        if condition and "body" in callees:
+          current.open_loops.append((callees["body"].lstrip("%"), condition.group(1)))
+          continue  # its body's count is resolved after parsing
+        unknown += 1
     for kind, target in _CALLEE.findall(op_text):
       # A while's condition does no matmuls; its body runs `times` times.
       for callee in re.findall(r"[\w.\-]+", target.replace("%", " ")):
         current.calls.append((callee, times if kind == "body" else 1))
+  for comp in computations.values():
+    for body, condition in comp.open_loops:
+      cond = computations.get(condition)
+      if cond is not None and cond.compares_less and len(set(cond.int_constants)) == 1:
+        comp.calls.append((body, cond.int_constants[0]))
+      else:
+        unknown += 1
+        comp.calls.append((body, 1))
   return computations, entry, loops, unknown
+
+
+def _convolution_flops(shapes, name: str, op_text: str) -> float:
+  """2 * output elements * (input features x kernel window) of a convolution."""
+  labels = _DIM_LABELS.search(op_text)
+  operands = _operands(op_text)
+  out = shapes.get(name)
+  if not labels or len(operands) < 2 or out is None:
+    return 0.0
+  lhs, rhs = shapes.get(operands[0]), shapes.get(operands[1])
+  if lhs is None or rhs is None:
+    return 0.0
+  lhs_labels, rhs_labels = labels.group(1), labels.group(2)
+  features = lhs[lhs_labels.index("f")] if "f" in lhs_labels else 1
+  window = math.prod(rhs[i] for i, c in enumerate(rhs_labels) if c.isdigit())
+  return 2.0 * math.prod(out) * features * window
 
 
 def count(hlo_text: str) -> HloFlops:

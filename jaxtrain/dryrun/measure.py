@@ -156,8 +156,9 @@ def _param_shards(tree, prefix: str = "") -> list[ParamShard]:
 
 
 def compile_step(config, devices, platform: str | None = None):
-  """(compiled train step, setup, abstract state, abstract batch, attention note): the step of
-  `config` compiled for a mesh over `devices` on abstract inputs; allocates nothing."""
+  """(compiled train step, setup, abstract state, abstract batch, attention note, mesh shape):
+  the step of `config` compiled for a mesh over `devices` on abstract inputs; allocates
+  nothing."""
   backend = platform_of_backend(devices[0].platform)
   platform = platform or backend
   mesh_shape = validate(config, len(devices), platform)

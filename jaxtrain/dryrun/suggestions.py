@@ -25,7 +25,7 @@ import copy
 import dataclasses
 
 from jaxtrain.dryrun import measure as aot
-from jaxtrain.dryrun.targets import Target, format_bytes, verdict
+from jaxtrain.dryrun.targets import Target, TargetError, format_bytes, verdict
 
 # name -> device memory in bytes: what the verdicts are for (the target, or every known chip).
 Memories = dict[str, float]
@@ -110,8 +110,9 @@ def options(config, devices, base: aot.Measurement, table: Memories,
           f"~{format_bytes(moved)} of saved activations to host memory, compute as {policy}; "
           f"device side as with 'full'", base.total - moved, "estimate", base.flops))
     found.append(Option(overrides, "model.remat_policy=full",
-                        f"recompute each layer in the backward pass: FLOPs x"
-                        f"{full.flops / base.flops:.2f}", full.total, "compiled", full.flops))
+                        "recompute each layer in the backward pass: FLOPs x"
+                        + (f"{full.flops / base.flops:.2f}" if base.flops else "n/a"),
+                        full.total, "compiled", full.flops))
 
   if len([x for x in found if x.overrides]) > 1:
     # Every option but the offload remat policy (an estimate, and full remat supersedes it).
@@ -223,8 +224,13 @@ def _more_devices(config, base: aot.Measurement, found: list[Option], table: Mem
     if config.model.d_model % fsdp:
       break
     scaled = {**overrides, "mesh.fsdp": fsdp}
-    more = (f"--dry_run_target={target.scaled(factor).name}" if target is not None and
-            target.chip is not None else f"--dry_run_devices={base.num_devices * factor}")
+    if target is not None and target.chip is not None:
+      try:
+        more = f"--dry_run_target={target.scaled(factor).name}"
+      except TargetError:  # no such slice or host count
+        break
+    else:
+      more = f"--dry_run_devices={base.num_devices * factor}"
     result.append(Option({}, f"{more} {_label(scaled)}",
                          f"params + optimizer state / {factor}; run it to measure",
                          smallest - state + state / factor, "estimate"))

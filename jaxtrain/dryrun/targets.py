@@ -146,7 +146,7 @@ class Target:
   def describe(self) -> str:
     if self.chip is None:
       return f"this host's CPU ({self.num_devices} devices, {self.memory_bytes / GIB:.1f} GiB each)"
-    unit = {"gpu": "GPUs", "tpu": "TPU chips"}[self.chip.compiler]
+    unit = {"gpu": "GPUs", "tpu": "chips"}[self.chip.compiler]
     return (f"{self.num_devices} {self.chip.name} {unit}, {self.memory_bytes / GIB:.1f} GiB "
             f"each")
 
@@ -294,6 +294,9 @@ def _quiet_libtpu_outside_tpu_vms():
   if not os.path.exists("/dev/accel0") and not os.path.exists("/dev/vfio/0"):
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    # libtpu locks /tmp/libtpu_lockfile for a TPU it owns; compiling owns none, and two dry
+    # runs (or test workers) may compile at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def host_available_bytes() -> int:

@@ -1,0 +1,57 @@
+"""Every shipped config names its target and fits it as shipped, by that target's own compiler;
+and a run that cannot fit this machine stops before allocating anything."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxtrain.config import load_config_file
+from jaxtrain.dryrun import measure, targets
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZED_FOR_ACCELERATORS = ("llama3_1b", "llama3_3b", "llama8b", "llama70b", "llama405b",
+                          "sft_lora_llama8b", "dpo_llama8b", "qlora_llama8b")
+
+
+def test_every_config_names_a_valid_target():
+  for name in sorted(os.listdir(os.path.join(REPO, "configs"))):
+    if name.endswith(".py"):
+      config = load_config_file(os.path.join(REPO, "configs", name))
+      targets.parse(config.target)  # raises TargetError if unknown
+      if name[:-3] in SIZED_FOR_ACCELERATORS:
+        assert targets.parse(config.target).chip is not None, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SIZED_FOR_ACCELERATORS)
+def test_shipped_config_fits_its_target(name):
+  config = load_config_file(os.path.join(REPO, "configs", f"{name}.py"))
+  target = targets.parse(config.target)
+  missing = targets.compiler_missing(target)
+  if missing:
+    pytest.skip(missing)
+  m = measure.measure(config, targets.devices(target))
+  assert m.backend == target.compiler  # the target's compiler, not an XLA:CPU estimate
+  # At least 10% of the device's memory left to the runtime.
+  assert m.total <= 0.9 * target.memory_bytes, (
+      f"{name} needs {m.total / 2**30:.2f} GiB of {target.name}'s "
+      f"{target.memory_bytes / 2**30:.1f} GiB per device")
+
+
+def test_llama8b_training_on_this_host_stops_before_allocating(tmp_path):
+  """The 8B config on a CPU host: one line with needed and available GiB, exit 2, no files."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  workdir = tmp_path / "run"
+  proc = subprocess.run([sys.executable, "-m", "jaxtrain.main", "--config=configs/llama8b.py",
+                         f"--workdir={workdir}"], cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=300, check=False)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert lines[0].startswith("does not fit: ")
+  assert "89.75 GiB per device" in lines[0] and "GiB available" in lines[0]
+  assert "--dry_run" in lines[0]
+  assert not workdir.exists()

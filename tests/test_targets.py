@@ -1,0 +1,234 @@
+"""Dry-run targets: names, deviceless devices, and the real compilers' attention kernels.
+
+The kernel tests compile the tiny config's train step for an H100 (XLA's GPU compiler, from the
+CUDA plugin) and a TPU v5p (libtpu) on this CPU-only host, and look for the kernels' custom calls
+in the compiled program: the acceptance test that the dry run measures the program the
+accelerator would run, not a CPU stand-in. The compilers come with the dev extra; a test skips,
+saying what to install, where one is missing.
+"""
+
+import importlib.util
+import os
+import re
+
+import jax
+import pytest
+
+from jaxtrain.config import ConfigError, load_config_file
+from jaxtrain.dryrun import command, measure, targets
+from jaxtrain.mesh import platform_of_backend
+from tests.test_dry_run import LAST_LINE, REPO, _cli
+
+
+@pytest.mark.parametrize("name,compiler,num_devices,chip", [
+    ("h100x8", "gpu", 8, "h100"),
+    ("h100x64", "gpu", 64, "h100"),
+    ("l4x1", "gpu", 1, "l4"),
+    ("v5p-8", "tpu", 4, "v5p"),  # Cloud TPU counts v5p cores: 4 megacore chips
+    ("v4-8", "tpu", 4, "v4"),
+    ("v5e-4", "tpu", 4, "v5e"),  # ... and v5e/v6e chips
+    ("v6e-1", "tpu", 1, "v6e"),
+    (" H100X8 ", "gpu", 8, "h100"),  # case and spaces as typed
+])
+def test_parse_target_names(name, compiler, num_devices, chip):
+  target = targets.parse(name)
+  assert target.name == name.strip().lower()
+  assert (target.compiler, target.num_devices, target.chip.key) == (compiler, num_devices, chip)
+  assert target.memory_bytes == target.chip.memory_bytes > 10 * targets.GIB
+
+
+def test_cpu_target_is_this_hosts_devices():
+  target = targets.parse("cpu")
+  assert target.chip is None and target.compiler == "cpu"
+  assert targets.devices(target) == jax.devices("cpu")
+  assert target.num_devices == len(jax.devices("cpu"))
+  assert targets.compiler_missing(target) is None
+
+
+@pytest.mark.parametrize("name", ["h100-8", "v5p-6", "tpu", "h100x3", ""])
+def test_bad_target_names_are_refused_in_one_line(name):
+  with pytest.raises(targets.TargetError) as err:
+    targets.parse(name)
+  message = str(err.value)
+  assert "\n" not in message and repr(name) in message
+  if name in ("v5p-6", "h100x3"):  # a known chip in a count it does not come in
+    chip = name[:-2]
+    assert "comes in counts" in message and f"e.g. {chip}" in message
+    assert ("8, 16, 32" if chip == "v5p" else "1, 2, 4, 8, 16") in message
+  else:
+    assert "valid targets:" in message
+    for form in ("h100xN", "a100xN", "v5p-N", "v5e-N", "cpu"):
+      assert form in message
+  # The command's form: a ConfigError, which main.py prints as one line and exits 2.
+  with pytest.raises(ConfigError):
+    command.resolve_target(name)
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("h100x8", "NVIDIA H100 80GB HBM3"), ("v5p-8", "TPU v5"), ("v5e-1", "TPU v5 lite")])
+def test_deviceless_devices(name, kind):
+  target = targets.parse(name)
+  missing = targets.compiler_missing(target)
+  if missing is not None:
+    pytest.skip(missing)
+  devices = targets.devices(target)
+  assert len(devices) == target.num_devices
+  assert {d.device_kind for d in devices} == {kind}
+  assert {platform_of_backend(d.platform) for d in devices} == {target.compiler}
+  # The MFU table knows the chip by the name its devices report.
+  assert targets.chip_for_device_kind(kind) == (target.chip.name, target.chip.peak_bf16_flops)
+
+
+@pytest.mark.parametrize("kind,peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA A100-SXM4-80GB",
+                                                                      312e12),
+    ("TPU v5 lite", 197e12), ("TPU v5", 459e12), ("TPU v5p", 459e12), ("TPU v4", 275e12),
+    ("TPU v6 lite", 918e12)])
+def test_chip_for_device_kind(kind, peak):
+  assert targets.chip_for_device_kind(kind)[1] == peak
+
+
+def test_chip_for_unknown_device_kind():
+  assert targets.chip_for_device_kind("cpu") is None
+  assert targets.chip_for_device_kind("NVIDIA GeForce RTX 4090") is None
+
+
+@pytest.mark.parametrize("name,shape", [
+    ("v5p-8", "2x2x1"), ("v5p-16", "2x2x2"), ("v5p-128", "4x4x4"), ("v4-8", "2x2x1"),
+    ("v5e-1", "1x1"), ("v5e-4", "2x2"), ("v5e-8", "2x4"), ("v5e-16", "4x4"), ("v6e-256", "16x16")])
+def test_tpu_topology(name, shape):
+  target = targets.parse(name)
+  assert targets.tpu_topology(target) == shape
+  dims = [int(d) for d in shape.split("x")]
+  assert dims[0] * dims[1] * (dims[2] if len(dims) == 3 else 1) == target.num_devices
+
+
+@pytest.mark.parametrize("name,shape", [
+    ("h100x1", "1x1x1"), ("h100x8", "1x1x8"), ("h100x64", "1x8x8"), ("a100x16", "1x2x8")])
+def test_gpu_topology(name, shape):
+  assert targets.gpu_topology(targets.parse(name)) == shape
+
+
+def test_verdict():
+  memory = 100 * targets.GIB
+  usable = memory * targets.USABLE_FRACTION
+  assert targets.verdict(memory, usable).status == "fits"
+  assert targets.verdict(memory, usable).headroom_bytes == 0
+  assert targets.verdict(memory, usable + 1).status == "tight"
+  assert targets.verdict(memory, memory + 1).status == "does not fit"
+  assert not targets.verdict(memory, memory + 1).fits
+
+
+def test_scaled_target():
+  assert targets.parse("h100x8").scaled(4).name == "h100x32"
+  assert targets.parse("v5p-8").scaled(2).name == "v5p-16"
+
+
+# --- the real compilers' kernels ---------------------------------------------------------------
+
+def _tiny(target, impl):
+  """configs/tiny.py for `target` with attention.impl=`impl`: 8 sequences of 256 tokens over
+  an fsdp mesh of all the target's devices."""
+  config = load_config_file(os.path.join(REPO, "configs", "tiny.py"))
+  config.target = target.name
+  config.attention.impl = impl
+  config.train.global_batch_size = 8
+  config.train.seq_len = 256
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, -1, 1
+  return config
+
+
+def _needs_compiler(target):
+  missing = targets.compiler_missing(target)
+  if missing is not None:
+    pytest.skip(f"no deviceless compiler for {target.name}: {missing}")
+
+
+@pytest.mark.parametrize("name,impl,kernel", [
+    ("h100x8", "pallas", "__gpu$xla.gpu.triton"),  # our Pallas kernels, lowered to Triton
+    ("v5p-8", "pallas", "tpu_custom_call"),  # our Pallas kernels, lowered to Mosaic
+    ("h100x1", "cudnn", "__cudnn$fmha"),  # XLA's cuDNN fused attention
+])
+def test_attention_kernel_is_compiled_for_the_target(name, impl, kernel, monkeypatch):
+  """measure.measure compiles through measure.compile_step once; the spy keeps the compiled
+  program, so one compile gives both the program text and the Measurement."""
+  target = targets.parse(name)
+  _needs_compiler(target)
+  steps = []
+  real_compile_step = measure.compile_step
+
+  def spy(*args, **kwargs):
+    steps.append(real_compile_step(*args, **kwargs))
+    return steps[-1]
+
+  monkeypatch.setattr(measure, "compile_step", spy)
+  m = measure.measure(_tiny(target, impl), targets.devices(target))
+  assert len(steps) == 1
+  compiled, setup, _, _, note, mesh_shape = steps[0]
+
+  called = re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())
+  kernels = [c for c in called if c.startswith(kernel)]
+  # The forward kernel and the backward pass's (its own kernel or kernels).
+  assert len(kernels) >= 2, sorted(set(called))
+  other = {"__gpu$xla.gpu.triton", "tpu_custom_call", "__cudnn$fmha"} - {kernel}
+  assert not [c for c in called if c.startswith(tuple(other))], sorted(set(called))
+  assert setup.model_cfg.attention_impl == impl
+  assert setup.model_cfg.platform == target.compiler
+  assert f"compiled for {target.compiler.upper()}" in note
+
+  assert compiled.memory_analysis().temp_size_in_bytes > 0
+  assert m.backend == m.platform == target.compiler
+  assert m.num_devices == target.num_devices == mesh_shape.fsdp
+  assert m.temp == compiled.memory_analysis().temp_size_in_bytes > 0
+  assert m.params > 0
+  # Matmul FLOPs of the compiled step, near the analytic 6N-per-token figure (the attention
+  # kernel's own matmuls are not HLO dots; remat is off in the tiny config).
+  analytic = measure.analytic_flops_per_step(_tiny(target, impl))
+  assert 0.5 < m.flops * m.num_devices / analytic < 1.2
+
+
+def test_cli_dry_run_for_an_h100_target():
+  target = targets.parse("h100x8")
+  _needs_compiler(target)
+  proc = _cli("--config=configs/tiny.py", "--dry_run", "--dry_run_target=h100x8",
+              "--config.attention.impl=pallas", "--config.train.global_batch_size=8")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.strip().splitlines()
+  match = LAST_LINE.match(lines[-1])
+  assert match, lines[-1]
+  assert (match["target"], match["compiler"], match["devices"], match["fits"]) == (
+      "h100x8", "gpu", "8", "yes")
+  assert float(match["temp"]) > 0
+  assert "our Pallas kernels, compiled for GPU" in proc.stdout
+  assert "note:" not in proc.stdout and "emulated" not in proc.stdout
+
+
+@pytest.mark.parametrize("flag", ["--dry_run_target=nope", "--config.target=nope"])
+def test_cli_unknown_target_is_one_line_exit_2(flag):
+  proc = _cli("--config=configs/tiny.py", "--dry_run", flag)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+  assert "'nope'" in proc.stderr and "valid targets" in proc.stderr
+
+
+def test_missing_compiler_falls_back_to_xla_cpu_and_says_how_to_install(monkeypatch, capsys):
+  """Without the CUDA plugin (hidden from find_spec), the command models the target with XLA:CPU
+  on as many CPU devices (this process has 8), and its first line says what to install."""
+  real_find_spec = importlib.util.find_spec
+  hidden = ("jax_plugins.xla_cuda12", "libtpu")
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args, **kwargs: (
+      None if name in hidden else real_find_spec(name, *args, **kwargs)))
+  target = targets.parse("h100x8")
+  missing = targets.compiler_missing(target)
+  assert missing is not None and targets.AOT_INSTALL in missing and "CUDA plugin" in missing
+  assert "libtpu" in targets.compiler_missing(targets.parse("v5p-8"))
+
+  assert command.main(_tiny(target, "pallas"), None, "h100x8", "configs/tiny.py") == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert lines[0] == f"note: {missing}"
+  match = LAST_LINE.match(lines[-1])
+  assert match, lines[-1]
+  assert (match["target"], match["compiler"], match["devices"], match["fits"]) == (
+      "h100x8", "cpu", "8", "yes")
+  text = "\n".join(lines)
+  assert "modelled by blockwise" in text and "ESTIMATE for accelerators" in text
