@@ -55,7 +55,12 @@ def check(config, setup: Setup, config_path: str = ""):
   if exact.on_device > memory.available:
     raise DoesNotFitError(_message(config, config_path, exact.on_device, memory, exact,
                                    compiled=False, num_devices=len(devices)))
-  compiled, state, batch = measure.compile_setup(setup, config)
+  try:
+    compiled, state, batch = measure.compile_setup(setup, config)
+  except measure.CompilerOutOfMemory as e:  # libtpu refuses what cannot fit its HBM
+    needed = exact.on_device + measure.batch_bytes(e.batch) + e.temp
+    raise DoesNotFitError(_message(config, config_path, needed, memory, exact, compiled=True,
+                                   num_devices=len(devices))) from None
   temp, outputs = measure.compiled_bytes(compiled)
   needed = exact.on_device + measure.batch_bytes(batch) + temp + outputs
   if needed > memory.available:

@@ -232,3 +232,19 @@ def test_missing_compiler_falls_back_to_xla_cpu_and_says_how_to_install(monkeypa
       "h100x8", "cpu", "8", "yes")
   text = "\n".join(lines)
   assert "modelled by blockwise" in text and "ESTIMATE for accelerators" in text
+
+
+def test_a_step_libtpu_refuses_for_memory_is_measured_from_its_refusal():
+  # libtpu's compiler raises RESOURCE_EXHAUSTED where XLA's GPU compiler reports and goes on;
+  # the dry run reads the temporaries it asked for and judges the step as not fitting.
+  target = targets.parse("v5e-1")
+  if targets.compiler_missing(target):
+    pytest.skip(targets.compiler_missing(target))
+  config = load_config_file(os.path.join(REPO, "configs", "tiny.py"))
+  config.target = target.name
+  config.train.global_batch_size, config.train.seq_len = 2048, 1024
+  config.model.max_position_embeddings = 1024
+  m = measure.measure(config, targets.devices(target))
+  assert m.backend == "tpu" and m.temp > 100 * targets.GIB
+  assert "refused" in m.attention_note
+  assert not targets.verdict(target.memory_bytes, m.total).fits

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import time
 
 import jax
@@ -173,13 +174,34 @@ def compile_step(config, devices, platform: str | None = None):
   return compiled, setup, state, batch, attention_note, mesh_shape
 
 
+class CompilerOutOfMemory(Exception):
+  """The compiler itself refused the program for memory (libtpu does, where XLA's GPU and CPU
+  compilers report and go on); `temp` is the temporaries it asked for, per device."""
+
+  def __init__(self, message: str, temp: int, state, batch):
+    super().__init__(message)
+    self.temp, self.state, self.batch = temp, state, batch
+
+
+_OUT_OF_MEMORY = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
+
+
 def compile_setup(setup: train_setup.Setup, config, options=None):
   """(compiled train step, abstract state, abstract batch) of a built setup: what the trainer
-  runs, compiled on abstract inputs before any weight exists."""
+  runs, compiled on abstract inputs before any weight exists. CompilerOutOfMemory when the
+  compiler refuses it for memory."""
   state = train_setup.abstract_state(setup, config.train.seed)
   batch = abstract_batch(config, setup.mesh)
   with jax.set_mesh(setup.mesh):
-    compiled = setup.train_step.lower(state, batch).compile(options)
+    try:
+      compiled = setup.train_step.lower(state, batch).compile(options)
+    except jax.errors.JaxRuntimeError as e:
+      found = _OUT_OF_MEMORY.search(str(e))
+      if "RESOURCE_EXHAUSTED" not in str(e) or not found:
+        raise
+      scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}[found.group(2)]
+      raise CompilerOutOfMemory(str(e).splitlines()[0], int(float(found.group(1)) * scale),
+                                state, batch) from None
   return compiled, state, batch
 
 
@@ -223,8 +245,11 @@ def compiled_bytes(compiled) -> tuple[int, int]:
 
 def _compile_and_measure(config, devices, platform: str | None = None) -> Measurement:
   start = time.perf_counter()
-  compiled, setup, state, batch, attention_note, mesh_shape = compile_step(
-      config, devices, platform)
+  try:
+    compiled, setup, state, batch, attention_note, mesh_shape = compile_step(
+        config, devices, platform)
+  except CompilerOutOfMemory as e:
+    return _refused(config, devices, platform, e, time.perf_counter() - start)
   compile_s = time.perf_counter() - start
   backend = platform_of_backend(devices[0].platform)
 
@@ -247,6 +272,25 @@ def _compile_and_measure(config, devices, platform: str | None = None) -> Measur
       loops_without_trip_count=counted.loops_without_trip_count, compile_s=compile_s,
       param_shards=param_shards + frozen_shards, attention_note=attention_note,
       frozen=exact.frozen, act_host=act_host)
+
+
+def _refused(config, devices, platform, e: CompilerOutOfMemory, compile_s: float) -> Measurement:
+  """The figures of a step the compiler refused for memory: exact state and batch bytes, the
+  temporaries it asked for (as rounded in its message), no outputs or FLOPs."""
+  backend = platform_of_backend(devices[0].platform)
+  mesh_shape = validate(config, len(devices), platform or backend)
+  model_cfg, attention_note = modelled_model_config(config, backend, platform or backend)
+  exact = state_bytes(e.state)
+  shards = _param_shards(e.state.params) + (
+      _param_shards(e.state.frozen, "frozen.") if e.state.frozen is not None else [])
+  return Measurement(
+      num_devices=len(devices), backend=backend, platform=platform or backend, mesh=mesh_shape,
+      model_cfg=model_cfg, params=exact.params, opt_device=exact.opt_device,
+      opt_host=exact.opt_host, batch=batch_bytes(e.batch), temp=e.temp, outputs=0,
+      compiler_arguments=0, flops=0.0, xla_flops=np.nan, loops_without_trip_count=0,
+      compile_s=compile_s, param_shards=shards,
+      attention_note=f"{attention_note}; the compiler refused the program: {e}",
+      frozen=exact.frozen)
 
 
 def analytic_tokens_per_step(config) -> int:
