@@ -6,7 +6,7 @@ For a config that does not fit, the dry run lists, cheapest in throughput first:
   train.grad_accum_steps       per-device microbatch 1, same global batch            (compiled)
     ... with the two optimizer options below on top                                 (compiled)
   optim.offload_state=True     optimizer state in pinned host memory                 (exact)
-  model.remat_policy=*_offload what the policy saves, kept in host memory            (estimate)
+  model.remat_policy=*_offload what the policy saves, kept in host memory  (compiled; XLA:CPU: estimate)
   model.remat_policy=full      save only layer inputs, recompute the rest            (compiled)
   all of the above together                                                           (compiled)
   ... with mesh.tensor=8       attention and MLP activations split 8 ways            (compiled)
@@ -104,11 +104,19 @@ def options(config, devices, base: aot.Measurement, table: Memories,
     overrides = {"model.remat_policy": "full"}
     full = aot.measure(_with(config, overrides), devices, base.platform)
     if policy in _OFFLOADABLE:
-      moved = max(0, base.temp - full.temp)
-      found.append(Option(
-          {"model.remat_policy": f"{policy}_offload"}, f"model.remat_policy={policy}_offload",
-          f"~{format_bytes(moved)} of saved activations to host memory, compute as {policy}; "
-          f"device side as with 'full'", base.total - moved, "estimate", base.flops))
+      offload = {"model.remat_policy": f"{policy}_offload"}
+      if base.backend != "cpu":  # accelerator compilers place the saved values in host memory
+        moved = aot.measure(_with(config, offload), devices, base.platform)
+        found.append(Option(offload, _label(offload),
+                            f"{format_bytes(moved.act_host)} of saved activations in host "
+                            f"memory, compute as {policy}", moved.total, "compiled", moved.flops))
+      else:  # XLA:CPU keeps them in its one memory: what full remat frees is what moves
+        moved_bytes = max(0, base.temp - full.temp)
+        found.append(Option(
+            offload, _label(offload),
+            f"~{format_bytes(moved_bytes)} of saved activations to host memory, compute as "
+            f"{policy}; device side as with 'full'", base.total - moved_bytes, "estimate",
+            base.flops))
     found.append(Option(overrides, "model.remat_policy=full",
                         "recompute each layer in the backward pass: FLOPs x"
                         + (f"{full.flops / base.flops:.2f}" if base.flops else "n/a"),

@@ -16,8 +16,8 @@ libtpu topology of a slice, or the GPU's description for XLA's GPU compiler (a
 Memory is what the runtime can hand to a program: CUDA's total device memory; for TPUs the HBM
 libtpu's compiler reports as available (its out-of-memory message, per megacore device). A
 program "fits" with USABLE_FRACTION of it to spare for the runtime, collective buffers and
-fragmentation. (On GPU, JAX preallocates 75% unless XLA_PYTHON_CLIENT_MEM_FRACTION is raised;
-launch/ sets it to 0.95.)
+fragmentation. (On GPU, JAX lets a program use 75% unless XLA_PYTHON_CLIENT_MEM_FRACTION is
+raised; the CLIs set it to 0.95 unless it is set, jaxtrain/platforms.py.)
 """
 
 from __future__ import annotations
