@@ -32,6 +32,7 @@ from jaxtrain.config_checks import validate
 from jaxtrain.dryrun import measure as aot
 from jaxtrain.dryrun import suggestions, targets
 from jaxtrain.dryrun.targets import GIB, Target, format_bytes, verdict
+from jaxtrain.mesh import platform_of_backend
 
 _CHILD_ENV = "JAXTRAIN_DRY_RUN_CHILD"
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -100,7 +101,7 @@ def _platform_for(devices, target: Target | None) -> str:
   """What the run is for: the devices' own platform, the named target's (modelled on CPU when its
   compiler is missing), or an unnamed accelerator (bfloat16, fused attention) on CPU."""
   if devices[0].platform != "cpu":
-    return "gpu" if devices[0].platform in ("cuda", "rocm", "gpu") else devices[0].platform
+    return platform_of_backend(devices[0].platform)
   if target is None:
     return "gpu"
   return target.compiler
