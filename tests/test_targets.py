@@ -248,3 +248,9 @@ def test_a_step_libtpu_refuses_for_memory_is_measured_from_its_refusal():
   assert m.backend == "tpu" and m.temp > 100 * targets.GIB
   assert "refused" in m.attention_note
   assert not targets.verdict(target.memory_bytes, m.total).fits
+
+
+def test_a_compiler_package_without_its_parent_counts_as_missing():
+  # Without the CUDA plugin there is no `jax_plugins` package at all: find_spec raises.
+  assert targets._installed("no_such_package_here.xla_cuda12") is False
+  assert targets._installed("json") is True

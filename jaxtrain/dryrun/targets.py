@@ -195,10 +195,17 @@ def compiler_missing(target: Target) -> str | None:
   """None when this process can compile for `target`; else one line saying what to install."""
   package = {"gpu": ("jax_plugins.xla_cuda12", "the CUDA plugin (jax-cuda12-plugin)"),
              "tpu": ("libtpu", "libtpu")}.get(target.compiler)
-  if package is None or importlib.util.find_spec(package[0]) is not None:
+  if package is None or _installed(package[0]):
     return None
   return (f"{package[1]} is not installed, so this compiles with XLA:CPU (an estimate, not "
           f"{target.compiler.upper()} memory); for the real compiler: {AOT_INSTALL}")
+
+
+def _installed(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:  # its parent package ("jax_plugins") is not there either
+    return False
 
 
 def devices(target: Target) -> list:
