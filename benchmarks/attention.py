@@ -124,4 +124,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+  from jaxtrain import platforms  # pylint: disable=import-outside-toplevel
+  platforms.choose_jax_platforms()  # CPU only where there is no accelerator
   sys.exit(main())

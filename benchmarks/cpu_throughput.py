@@ -34,10 +34,12 @@ import time
 # One CPU device: XLA:CPU then runs each op on the host's intra-op thread pool (all cores).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
-from jaxtrain import host_memory  # pylint: disable=wrong-import-position
+from jaxtrain import host_memory, platforms  # pylint: disable=wrong-import-position
 
 if __name__ == "__main__":
-  # As `python -m jaxtrain.main` does: restart with huge pages for glibc's large blocks.
+  # As `python -m jaxtrain.main` does: the CPU backend only where there is no accelerator, and
+  # a restart with huge pages for glibc's large blocks.
+  platforms.choose_jax_platforms()
   host_memory.reexec_with_hugepages()
 
 import jax  # pylint: disable=wrong-import-position

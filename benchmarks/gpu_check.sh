@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Every GPU check in one script, under 8 minutes on one H100 / H200:
+# Every GPU check in one script, under 9 minutes on one H100 / H200:
 #   1. the Pallas flash-attention kernels compiled for the GPU against the float32 reference
 #      (output and dq/dk/dv, bf16 inputs), and the compiled kernel tests;
 #   2. benchmarks/attention.py: pallas vs cudnn vs xla forward+backward at T = 2048/4096/8192;
 #   3. a short bf16 training run of Llama 3.2 1B with each GPU attention implementation,
-#      reporting tokens/s and MFU from metrics.jsonl.
+#      reporting tokens/s and MFU from metrics.jsonl (each run passes the pre-flight check first);
+#   4. the dry run's deviceless compile for this GPU's target (h200x1 / h100x1) against the same
+#      step compiled on the GPU itself: per-device GiB of each and their ratio.
 # Needs a Python with jaxtrain[cuda12] installed (PYTHON, default .venv/bin/python).
 # Usage: benchmarks/gpu_check.sh [OUTPUT_DIR]   (logs and run directories go there)
 set -euo pipefail
@@ -21,15 +23,15 @@ if jax.default_backend() != "gpu":
 print("devices:", [d.device_kind for d in jax.devices()])
 PY
 
-echo "== 1/3 kernel parity on the GPU"
+echo "== 1/4 kernel parity on the GPU"
 timeout 150 "$PY" benchmarks/attention.py --check 2>&1 | tee "$OUT_DIR/parity.log"
 JAX_PLATFORMS=cuda JAXTRAIN_PALLAS_COMPILED=1 timeout 150 "$PY" -m pytest -q -x tests/test_flash_attention.py \
   2>&1 | tail -5 | tee -a "$OUT_DIR/parity.log"
 
-echo "== 2/3 attention benchmark (bf16, causal, E=128)"
+echo "== 2/4 attention benchmark (bf16, causal, E=128)"
 timeout 150 "$PY" benchmarks/attention.py --iters 10 2>&1 | tee "$OUT_DIR/attention.log"
 
-echo "== 3/3 Llama 3.2 1B, bf16, 20 steps per attention implementation"
+echo "== 3/4 Llama 3.2 1B, bf16, 20 steps per attention implementation"
 for impl in pallas cudnn; do
   timeout 120 "$PY" -m jaxtrain.main --config=configs/llama3_1b.py \
     --workdir="$OUT_DIR/llama3_1b_$impl" --config.attention.impl=$impl \
@@ -44,3 +46,21 @@ print(f"train_1b: impl={sys.argv[2]} tokens_per_sec={sum(r['tokens_per_sec'] for
       f"mfu={sum(r['mfu'] for r in last) / len(last):.3f}")
 PY
 done
+
+echo "== 4/4 deviceless compile for the target vs the same step compiled on this GPU"
+timeout 150 "$PY" - <<'PY' 2>&1 | tee "$OUT_DIR/dry_run_vs_device.log"
+import jax
+from jaxtrain.config import load_config_file
+from jaxtrain.dryrun import measure, targets
+kind = jax.devices()[0].device_kind.lower()
+name = "h200x1" if "h200" in kind else "h100x1"
+config = load_config_file("configs/llama3_1b.py")
+config.target, config.attention.impl = name, "cudnn"
+config.train.global_batch_size, config.train.seq_len, config.train.grad_accum_steps = 4, 4096, 1
+on_device = measure.measure(config, jax.devices()[:1])
+deviceless = measure.measure(config, targets.devices(targets.parse(name)))
+gib = 2 ** 30
+print(f"dry_run_vs_device: target={name} device_kind={jax.devices()[0].device_kind!r} "
+      f"deviceless_total_gib={deviceless.total / gib:.3f} device_total_gib={on_device.total / gib:.3f} "
+      f"ratio={deviceless.total / on_device.total:.3f}")
+PY

@@ -65,4 +65,6 @@ def main():
 
 
 if __name__ == "__main__":
+  from jaxtrain import platforms  # pylint: disable=import-outside-toplevel
+  platforms.choose_jax_platforms()  # CPU only where there is no accelerator
   main()
