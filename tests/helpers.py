@@ -1,10 +1,17 @@
-"""Small shared builders for tests: configs, meshes, synthetic packed batches."""
+"""Small shared builders for tests: configs, meshes, synthetic packed batches, and the one
+harness the tests start `python -m jaxtrain.main` runs with."""
+
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 from jax.sharding import AxisType
 
 from jaxtrain.config import default_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def small_config(**model_overrides):
@@ -52,3 +59,28 @@ def packed_batch(batch_size, seq_len, vocab, seed=0, docs_per_row=2):
       "loss_mask": (segment_ids > 0).astype(np.float32),
       "segment_ids": segment_ids, "positions": positions,
   }
+
+
+def main_command(*args):
+  """The argv of `python -m jaxtrain.main ARGS`, with this interpreter."""
+  return [sys.executable, "-m", "jaxtrain.main", *args]
+
+
+def main_env(devices: int | None = None, env: dict | None = None) -> dict:
+  """The environment of a CLI run: this process's (so the session's compilation cache in
+  conftest.py carries over), on CPU, with `devices` emulated CPU devices when given (else no
+  XLA_FLAGS at all), and `env` on top."""
+  run_env = dict(os.environ, JAX_PLATFORMS="cpu")
+  run_env.pop("XLA_FLAGS", None)
+  if devices is not None:
+    run_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  run_env.update(env or {})
+  return run_env
+
+
+def run_main(*args, devices: int | None = None, env: dict | None = None, timeout: int = 600,
+             cwd=REPO) -> subprocess.CompletedProcess:
+  """Runs `python -m jaxtrain.main ARGS` to the end from the repository root (see main_env) and
+  returns it, stdout and stderr captured as text; a failing exit code is the caller's to check."""
+  return subprocess.run(main_command(*args), cwd=cwd, env=main_env(devices, env),
+                        capture_output=True, text=True, timeout=timeout, check=False)

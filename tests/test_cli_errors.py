@@ -1,20 +1,14 @@
 """Newcomer mistakes on the command line (a mistyped --config key, a missing or broken config
 file, an unknown flag) end in one line on stderr and exit code 2, never a traceback."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import run_main
 
 
 def _cli(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
   # These errors all arise while flags parse, before JAX is imported: seconds, not minutes.
-  return subprocess.run([sys.executable, "-m", "jaxtrain.main", *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=60, check=False)
+  return run_main(*args, timeout=60)
 
 
 def _one_line_error(proc) -> str:

@@ -1,16 +1,12 @@
 """Every bad config is refused before compiling, with one line naming key, value and fix."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from jaxtrain.config import ConfigError, default_config, load_config_file
 from jaxtrain.config_checks import resolve_mesh_shape, validate
-from tests.helpers import small_config
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO, run_main, small_config
 
 
 def _set(config, key, value):
@@ -86,12 +82,8 @@ def test_shipped_configs_validate(name):
 
 
 def test_cli_bad_mesh_exits_2_with_one_line(tmp_path):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  proc = subprocess.run(
-      [sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py",
-       "--config.mesh.tensor=3", f"--workdir={tmp_path}"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  proc = run_main("--config=configs/tiny.py", "--config.mesh.tensor=3", f"--workdir={tmp_path}",
+                  devices=8, timeout=120)
   assert proc.returncode == 2, proc.stderr
   lines = [l for l in proc.stderr.splitlines() if l.strip()]
   assert len(lines) == 1, proc.stderr

@@ -1,9 +1,6 @@
 """Training batches from raw text sources tokenized while reading (text, jsonl, parquet)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -11,9 +8,9 @@ import pytest
 from jaxtrain import data
 from jaxtrain.config import ConfigError
 from jaxtrain.data import sources
+from tests.helpers import run_main
 from tests.test_data import T, assert_batches_equal, assert_resumes, small_config, take
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
 
@@ -113,20 +110,16 @@ def test_cli_malformed_jsonl_exits_2_naming_the_line(tmp_path):
   path = _jsonl(tmp_path, _texts(3))
   with open(path, "a", encoding="utf-8") as f:
     f.write('{"text": "unterminated\n')
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(
-      [sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py",
-       f"--workdir={tmp_path / 'run'}", "--config.data.source=jsonl",
-       f"--config.data.train_paths={path}", f"--config.data.eval_paths={path}",
-       "--config.data.on_bad_record=skip", "--config.train.steps=1"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  proc = run_main("--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}",
+                  "--config.data.source=jsonl", f"--config.data.train_paths={path}",
+                  f"--config.data.eval_paths={path}", "--config.data.on_bad_record=skip",
+                  "--config.train.steps=1", timeout=300)
   # With skip the bad line is dropped and counted; the run trains.
   assert proc.returncode == 0, proc.stderr[-2000:]
-  proc = subprocess.run(
-      [sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py",
-       f"--workdir={tmp_path / 'run2'}", "--config.data.source=jsonl",
-       f"--config.data.train_paths={tmp_path / 'nothing*.jsonl'}", "--config.train.steps=1"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  proc = run_main("--config=configs/tiny.py", f"--workdir={tmp_path / 'run2'}",
+                  "--config.data.source=jsonl",
+                  f"--config.data.train_paths={tmp_path / 'nothing*.jsonl'}",
+                  "--config.train.steps=1", timeout=300)
   assert proc.returncode == 2
   lines = [l for l in proc.stderr.splitlines() if l.strip()]
   assert len(lines) == 1 and "no files match" in lines[0], proc.stderr[-2000:]

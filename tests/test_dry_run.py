@@ -1,10 +1,7 @@
 """Dry run (AOT compile on abstract inputs), remat policies, optimizer-state dtype and offload."""
 
 import dataclasses
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +24,8 @@ from jaxtrain.sharding import abstract_model, init_params
 from jaxtrain.train_step import loss_sum_fn
 from jaxtrain.train_setup import build, init_state
 from jaxtrain.trainer import to_global_batch
-from tests.helpers import mesh_of, packed_batch, small_config
+from tests.helpers import mesh_of, packed_batch, run_main, small_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The line scripts read (jaxtrain/dryrun/command.py: the contract), matched whole.
 LAST_LINE = re.compile(r"^dry_run: target=(?P<target>\S+) compiler=(?P<compiler>gpu|tpu|cpu) "
                        r"devices=(?P<devices>\d+) params_gib=(?P<params>\S+) "
@@ -300,16 +296,8 @@ def test_hlo_flops_count_every_loop_iteration():
   assert counted.loops == 1 and counted.loops_without_trip_count == 0
 
 
-def _cli(*args, env_devices=None):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  env["JAX_PLATFORMS"] = "cpu"
-  return subprocess.run([sys.executable, "-m", "jaxtrain.main", *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=600, check=False)
-
-
 def test_cli_reruns_itself_with_emulated_devices():
-  proc = _cli("--config=configs/tiny.py", "--dry_run", "--dry_run_devices=2")
+  proc = run_main("--config=configs/tiny.py", "--dry_run", "--dry_run_devices=2")
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = proc.stdout.strip().splitlines()
   assert "re-running with 2 emulated CPU devices" in lines[0]
@@ -319,8 +307,8 @@ def test_cli_reruns_itself_with_emulated_devices():
 
 
 def test_cli_config_error_is_one_line_exit_2():
-  proc = _cli("--config=configs/tiny.py", "--dry_run", "--dry_run_devices=2",
-              "--config.model.remat_policy=everything_offload")
+  proc = run_main("--config=configs/tiny.py", "--dry_run", "--dry_run_devices=2",
+                  "--config.model.remat_policy=everything_offload")
   assert proc.returncode == 2
   assert proc.stderr.strip().startswith("config error: model.remat_policy='everything_offload'")
   assert len(proc.stderr.strip().splitlines()) == 1
@@ -329,8 +317,8 @@ def test_cli_config_error_is_one_line_exit_2():
 @pytest.mark.slow
 def test_llama8b_on_8_devices():
   """The full-size path: llama8b at microbatch 1 with full remat, 8 emulated devices."""
-  proc = _cli("--config=configs/llama8b.py", "--dry_run", "--dry_run_devices=8",
-              "--config.train.grad_accum_steps=32", "--config.model.remat_policy=full")
+  proc = run_main("--config=configs/llama8b.py", "--dry_run", "--dry_run_devices=8",
+                  "--config.train.grad_accum_steps=32", "--config.model.remat_policy=full")
   assert proc.returncode == 0, proc.stderr[-3000:]
   match = LAST_LINE.match(proc.stdout.strip().splitlines()[-1])
   assert match, proc.stdout[-3000:]

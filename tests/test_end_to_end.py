@@ -2,13 +2,12 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import run_main
+
 # A smaller, faster variant of configs/tiny.py (same code path).
 SMALL = ["--config.model.num_layers=2", "--config.model.d_model=64", "--config.model.mlp_dim=128",
          "--config.model.num_heads=4", "--config.model.num_kv_heads=2",
@@ -17,11 +16,8 @@ SMALL = ["--config.model.num_layers=2", "--config.model.d_model=64", "--config.m
 
 
 def _run(workdir, *overrides, devices=1):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-  cmd = [sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py",
-         f"--workdir={workdir}", *SMALL, *overrides]
-  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  proc = run_main("--config=configs/tiny.py", f"--workdir={workdir}", *SMALL, *overrides,
+                  devices=devices)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     records = [json.loads(line) for line in f]

@@ -4,23 +4,17 @@ reward accuracy rises) and resume exactly, the frozen DPO reference rebuilt on r
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from jaxtrain import generate_cli
 from jaxtrain.interop import hf
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import run_main
 
 
 def _run(config, workdir, *overrides):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  cmd = [sys.executable, "-m", "jaxtrain.main", f"--config=configs/{config}",
-         f"--workdir={workdir}", *overrides]
-  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  proc = run_main(f"--config=configs/{config}", f"--workdir={workdir}", *overrides, devices=1)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     records = [json.loads(line) for line in f]

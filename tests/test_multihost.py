@@ -20,10 +20,10 @@ from jaxtrain.config import ConfigError
 from jaxtrain.config_checks import validate
 from jaxtrain.data import shards
 from jaxtrain.mesh import batch_rows_by_process, make_mesh
-from tests.helpers import small_config
+from tests.helpers import REPO, main_command, small_config
 from tests.test_data import assert_batches_equal, take
 from tests.test_data import small_config as small_data_config
-from tests.test_end_to_end import REPO, SMALL
+from tests.test_end_to_end import SMALL
 
 # --- where the process layout comes from ---------------------------------------------------
 
@@ -271,8 +271,7 @@ def _env(devices=None, **extra):
 
 
 def _main(workdir, *args):
-  return [sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py",
-          f"--workdir={workdir}", *args]
+  return main_command("--config=configs/tiny.py", f"--workdir={workdir}", *args)
 
 
 def _local(num_processes, workdir, *args):

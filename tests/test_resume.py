@@ -6,13 +6,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from tests.test_end_to_end import REPO, SMALL, _run
+from tests.helpers import REPO, main_command, main_env, run_main
+from tests.test_end_to_end import SMALL, _run
 
 STEPS = 12
 COMMON = [f"--config.train.steps={STEPS}", "--config.train.log_every=1",
@@ -28,9 +28,8 @@ def _losses(workdir):
   return train, evals
 
 
-def _command(workdir):
-  return [sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py",
-          f"--workdir={workdir}", *SMALL, *COMMON]
+def _args(workdir):
+  return ["--config=configs/tiny.py", f"--workdir={workdir}", *SMALL, *COMMON]
 
 
 def _saving(workdir) -> bool:
@@ -42,9 +41,8 @@ def _saving(workdir) -> bool:
 def _kill_after_step(workdir, step, during_save=False):
   """Starts a run and SIGKILLs it once metrics.jsonl shows `step` (and, with `during_save`,
   at the next moment a checkpoint is half written)."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.Popen(_command(workdir), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+  proc = subprocess.Popen(main_command(*_args(workdir)), cwd=REPO, env=main_env(),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   path = os.path.join(workdir, "metrics.jsonl")
   deadline = time.time() + 300
   reached = False
@@ -109,9 +107,7 @@ def test_restore_on_another_mesh(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_of_another_model_is_refused(tmp_path):
   _run(tmp_path, *COMMON[:-1], "--config.checkpoint.every_steps=2", "--config.train.steps=2")
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(_command(tmp_path) + ["--config.model.mlp_dim=256"], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=300)
+  proc = run_main(*_args(tmp_path), "--config.model.mlp_dim=256", timeout=300)
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "does not match this model config" in proc.stderr
 
@@ -133,10 +129,8 @@ def test_sigterm_saves_exits_0_and_resume_continues(tmp_path):
   args = ["--config.train.steps=2000", "--config.optim.decay_steps=2000",
           "--config.train.log_every=1", "--config.train.eval_every=1000",
           "--config.checkpoint.every_steps=1000"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  cmd = [sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py",
-         f"--workdir={tmp_path}", *SMALL]
-  proc = subprocess.Popen(cmd + args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+  cmd = main_command("--config=configs/tiny.py", f"--workdir={tmp_path}", *SMALL)
+  proc = subprocess.Popen(cmd + args, cwd=REPO, env=main_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
   _wait_for_step(proc, tmp_path, 3)
   proc.send_signal(signal.SIGTERM)
@@ -155,13 +149,11 @@ def test_sigterm_saves_exits_0_and_resume_continues(tmp_path):
 
 @pytest.mark.slow
 def test_consecutive_non_finite_steps_stop_the_run(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(
-      [sys.executable, "-m", "jaxtrain.main", "--config=configs/tiny.py",
-       f"--workdir={tmp_path}", *SMALL, "--config.train.steps=30", "--config.train.log_every=1",
-       "--config.optim.learning_rate=1e35", "--config.optim.warmup_steps=0",
-       "--config.train.max_consecutive_bad_steps=3", "--config.checkpoint.every_steps=2"],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  proc = run_main("--config=configs/tiny.py", f"--workdir={tmp_path}", *SMALL,
+                  "--config.train.steps=30", "--config.train.log_every=1",
+                  "--config.optim.learning_rate=1e35", "--config.optim.warmup_steps=0",
+                  "--config.train.max_consecutive_bad_steps=3",
+                  "--config.checkpoint.every_steps=2", timeout=300)
   assert proc.returncode == 1, proc.stderr[-2000:]
   assert "3 consecutive steps" in proc.stderr and "last checkpoint" in proc.stderr
   records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl", encoding="utf-8")]

@@ -2,15 +2,13 @@
 and a run that cannot fit this machine stops before allocating anything."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from jaxtrain.config import load_config_file
 from jaxtrain.dryrun import measure, targets
+from tests.helpers import REPO, run_main
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZED_FOR_ACCELERATORS = ("llama3_1b", "llama3_3b", "llama8b", "llama70b", "llama405b",
                           "sft_lora_llama8b", "dpo_llama8b", "qlora_llama8b")
 
@@ -42,12 +40,8 @@ def test_shipped_config_fits_its_target(name):
 
 def test_llama8b_training_on_this_host_stops_before_allocating(tmp_path):
   """The 8B config on a CPU host: one line with needed and available GiB, exit 2, no files."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
   workdir = tmp_path / "run"
-  proc = subprocess.run([sys.executable, "-m", "jaxtrain.main", "--config=configs/llama8b.py",
-                         f"--workdir={workdir}"], cwd=REPO, env=env, capture_output=True,
-                        text=True, timeout=300, check=False)
+  proc = run_main("--config=configs/llama8b.py", f"--workdir={workdir}", timeout=300)
   assert proc.returncode == 2, proc.stderr[-2000:]
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -17,7 +17,8 @@ import pytest
 from jaxtrain.config import ConfigError, load_config_file
 from jaxtrain.dryrun import command, measure, targets
 from jaxtrain.mesh import platform_of_backend
-from tests.test_dry_run import LAST_LINE, REPO, _cli
+from tests.helpers import REPO, run_main
+from tests.test_dry_run import LAST_LINE
 
 
 @pytest.mark.parametrize("name,compiler,num_devices,chip", [
@@ -190,8 +191,8 @@ def test_attention_kernel_is_compiled_for_the_target(name, impl, kernel, monkeyp
 def test_cli_dry_run_for_an_h100_target():
   target = targets.parse("h100x8")
   _needs_compiler(target)
-  proc = _cli("--config=configs/tiny.py", "--dry_run", "--dry_run_target=h100x8",
-              "--config.attention.impl=pallas", "--config.train.global_batch_size=8")
+  proc = run_main("--config=configs/tiny.py", "--dry_run", "--dry_run_target=h100x8",
+                  "--config.attention.impl=pallas", "--config.train.global_batch_size=8")
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = proc.stdout.strip().splitlines()
   match = LAST_LINE.match(lines[-1])
@@ -205,7 +206,7 @@ def test_cli_dry_run_for_an_h100_target():
 
 @pytest.mark.parametrize("flag", ["--dry_run_target=nope", "--config.target=nope"])
 def test_cli_unknown_target_is_one_line_exit_2(flag):
-  proc = _cli("--config=configs/tiny.py", "--dry_run", flag)
+  proc = run_main("--config=configs/tiny.py", "--dry_run", flag)
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
   assert "'nope'" in proc.stderr and "valid targets" in proc.stderr

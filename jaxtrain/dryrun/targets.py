@@ -22,6 +22,7 @@ raised; the CLIs set it to 0.95 unless it is set, jaxtrain/platforms.py.)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -215,12 +216,12 @@ def devices(target: Target) -> list:
     return jax.devices("cpu")
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   if target.compiler == "tpu":
-    _quiet_libtpu_outside_tpu_vms()
     options = _tpu_host_bounds(target)
     if target.chip.cores_per_chip == 2:
       options["chip_config_name"] = "megacore"  # one JAX device per chip, as on the pods
-    topology = topologies.get_topology_desc(
-        topology_name=f"{target.chip.key}:{tpu_topology(target)}", platform="tpu", **options)
+    with _libtpu_outside_tpu_vms():
+      topology = topologies.get_topology_desc(
+          topology_name=f"{target.chip.key}:{tpu_topology(target)}", platform="tpu", **options)
   else:
     topology = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(
         target.chip), topology=gpu_topology(target))
@@ -295,15 +296,24 @@ def gpu_target_config(chip: Chip) -> str:
           f"device_description_str: \"{chip.description}\"")
 
 
-def _quiet_libtpu_outside_tpu_vms():
-  """libtpu looks for the TPU VM's metadata when it loads and prints warnings where there is
-  none; a deviceless compile needs none, so name a host for it (never on a TPU VM)."""
-  if not os.path.exists("/dev/accel0") and not os.path.exists("/dev/vfio/0"):
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    # libtpu locks /tmp/libtpu_lockfile for a TPU it owns; compiling owns none, and two dry
-    # runs (or test workers) may compile at once.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+@contextlib.contextmanager
+def _libtpu_outside_tpu_vms():
+  """While libtpu loads: it looks for the TPU VM's metadata and prints warnings where there is
+  none, which a deviceless compile does not need, so name a host for it; and it locks
+  /tmp/libtpu_lockfile for a TPU it owns, which compiling owns none of, so two dry runs (or test
+  workers) may compile at once. Never on a TPU VM, and only for the load: left in the process's
+  environment, the host names would make the trainer's processes it starts take this machine
+  for a TPU pod (jaxtrain/distributed.py)."""
+  settings = {"TPU_ACCELERATOR_TYPE": "v5p-8", "TPU_WORKER_HOSTNAMES": "localhost",
+              "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+  on_tpu_vm = os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0")
+  added = [] if on_tpu_vm else [k for k in settings if k not in os.environ]
+  os.environ.update({k: settings[k] for k in added})
+  try:
+    yield
+  finally:
+    for k in added:
+      os.environ.pop(k, None)
 
 
 def host_available_bytes() -> int:
