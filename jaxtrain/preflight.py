@@ -14,10 +14,12 @@ The compiled step is returned, and the trainer runs it: the check costs no secon
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 
+from jaxtrain import train_setup
 from jaxtrain.dryrun import measure
 from jaxtrain.dryrun.targets import GIB, USABLE_FRACTION, host_available_bytes
 from jaxtrain.train_setup import Setup
@@ -50,54 +52,59 @@ def check(config, setup: Setup, config_path: str = ""):
   """The compiled train step of `setup`, if it fits the mesh's devices; DoesNotFitError if not."""
   devices = list(setup.mesh.devices.flat)
   memory = available_memory(devices)
-  state = measure.train_setup.abstract_state(setup, config.train.seed)
+  state = train_setup.abstract_state(setup, config.train.seed)
   exact = measure.state_bytes(state)
+  refuse = functools.partial(_refuse, config, config_path, memory, exact, setup.mesh)
   if exact.on_device > memory.available:
-    raise DoesNotFitError(_message(config, config_path, exact.on_device, memory, exact,
-                                   compiled=False, num_devices=len(devices)))
+    raise refuse(exact.on_device, compiled=False)
   try:
-    compiled, state, batch = measure.compile_setup(setup, config)
+    compiled, _, batch = measure.compile_setup(setup, config, state=state)
   except measure.CompilerOutOfMemory as e:  # libtpu refuses what cannot fit its HBM
-    needed = exact.on_device + measure.batch_bytes(e.batch) + e.temp
-    raise DoesNotFitError(_message(config, config_path, needed, memory, exact, compiled=True,
-                                   num_devices=len(devices))) from None
+    raise refuse(exact.on_device + measure.batch_bytes(e.batch) + e.temp, compiled=True) from None
   temp, outputs = measure.compiled_bytes(compiled)
   needed = exact.on_device + measure.batch_bytes(batch) + temp + outputs
   if needed > memory.available:
-    raise DoesNotFitError(_message(config, config_path, needed, memory, exact, compiled=True,
-                                   num_devices=len(devices)))
+    raise refuse(needed, compiled=True)
   return compiled
 
 
-def _message(config, config_path: str, needed: int, memory: Memory,
-             exact: measure.StateBytes, *, compiled: bool, num_devices: int) -> str:
+def _refuse(config, config_path: str, memory: Memory, exact: measure.StateBytes, mesh,
+            needed: int, *, compiled: bool) -> DoesNotFitError:
   what = ("the train step needs" if compiled else
           "the parameters and optimizer state alone need")
-  fix = best_change(config, exact, needed, memory.available, num_devices)
+  fix = best_change(config, exact, needed, memory.available, mesh)
   command = (f"python -m jaxtrain.main --config={config_path or 'CONFIG'} --dry_run "
              f"--dry_run_target={config.target}")
-  return (f"{what} {needed / GIB:.2f} GiB per device, {memory.available / GIB:.2f} GiB "
-          f"available per {memory.where}; {fix}; every option, measured for the config's target: "
-          f"{command}")
+  return DoesNotFitError(
+      f"{what} {needed / GIB:.2f} GiB per device, {memory.available / GIB:.2f} GiB available "
+      f"per {memory.where}; {fix}; every option, measured for the config's target: {command}")
 
 
-def best_change(config, exact: measure.StateBytes, needed: int, available: int,
-                num_devices: int) -> str:
+def best_change(config, exact: measure.StateBytes, needed: int, available: int, mesh) -> str:
   """The cheapest change known without another compile (exact bytes), in words."""
-  if config.optim.state_dtype == "float32" and not config.optim.offload_state:
-    if needed - exact.opt_device / 2 <= available * USABLE_FRACTION:
-      return "try --config.optim.state_dtype=bfloat16 (Adam moments in half the bytes)"
-  if jax.default_backend() != "cpu" and not config.optim.offload_state:
-    if needed - exact.opt_device <= available * USABLE_FRACTION:
-      return "try --config.optim.offload_state=True (optimizer state in host memory)"
-  # Sharding over k times the devices divides the state by k (fsdp); activations stay.
-  rest = needed - exact.on_device
-  room = available * USABLE_FRACTION - rest
-  if room > 0:
+  devices = list(mesh.devices.flat)
+  usable = available * USABLE_FRACTION
+  o, t = config.optim, config.train
+  if o.state_dtype == "float32" and not o.offload_state and needed - exact.opt_device / 2 <= usable:
+    return "try --config.optim.state_dtype=bfloat16 (Adam moments in half the bytes)"
+  if devices[0].platform != "cpu" and not o.offload_state and needed - exact.opt_device <= usable:
+    return "try --config.optim.offload_state=True (optimizer state in host memory)"
+  activations = needed - exact.on_device
+  microbatch = t.global_batch_size // (mesh.shape["data"] * mesh.shape["fsdp"] *
+                                       t.grad_accum_steps)
+  room = usable - exact.on_device
+  if room > 0 and activations > 0 and microbatch > 1:
+    # Activations scale about linearly with the microbatch: split it k ways.
+    k = min(microbatch, 2 ** math.ceil(math.log2(activations / room)))
+    while microbatch % k:
+      k *= 2
+    return (f"try --config.train.grad_accum_steps={k * t.grad_accum_steps} (microbatch "
+            f"{microbatch} -> {microbatch // k} per device; activations scale about with it)")
+  room = usable - activations
+  if room > 0:  # fsdp over k times the devices divides the state by k; activations stay
     factor = 2 ** math.ceil(math.log2(max(1.0, exact.on_device / room)))
-    return (f"it needs about {factor}x the devices ({factor * num_devices}) to shard the "
+    return (f"it needs about {factor}x the devices ({factor * len(devices)}) to shard the "
             f"{exact.on_device / GIB:.1f} GiB of state per device, or a config sized for this "
             f"machine (e.g. configs/tiny.py)")
-  return ("activations alone exceed the memory: raise train.grad_accum_steps, use "
-          "--config.model.remat_policy=full, or shorten train.seq_len")
-
+  return ("activations alone exceed the memory: use --config.model.remat_policy=full, or "
+          "shorten train.seq_len")

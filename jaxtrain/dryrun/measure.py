@@ -186,11 +186,11 @@ class CompilerOutOfMemory(Exception):
 _OUT_OF_MEMORY = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
 
 
-def compile_setup(setup: train_setup.Setup, config, options=None):
+def compile_setup(setup: train_setup.Setup, config, options=None, state=None):
   """(compiled train step, abstract state, abstract batch) of a built setup: what the trainer
-  runs, compiled on abstract inputs before any weight exists. CompilerOutOfMemory when the
-  compiler refuses it for memory."""
-  state = train_setup.abstract_state(setup, config.train.seed)
+  runs, compiled on abstract inputs before any weight exists (`state`: its abstract state, if
+  already made). CompilerOutOfMemory when the compiler refuses it for memory."""
+  state = state if state is not None else train_setup.abstract_state(setup, config.train.seed)
   batch = abstract_batch(config, setup.mesh)
   with jax.set_mesh(setup.mesh):
     try:
