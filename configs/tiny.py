@@ -9,6 +9,8 @@ from jaxtrain.config import default_config
 
 def get_config():
   c = default_config()
+  # This host's CPU; the tiny configs derived from this one (SFT, LoRA, QLoRA, DPO) keep it.
+  c.target = "cpu"
   c.model.vocab_size = 384  # 256 bytes + EOS, padded so tensor-parallel sizes divide it
   c.model.num_layers = 4
   c.model.d_model = 128
