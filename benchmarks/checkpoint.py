@@ -37,7 +37,7 @@ def config_for(size: str):
 def measure(size: str, repeats: int) -> tuple[int, float, float, float, float]:
   """(params, bytes, async block s, sync s, restore s), medians over `repeats` saves."""
   c = config_for(size)
-  mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  mesh = make_mesh(devices=jax.devices()[:1])
   setup = train_setup.build(c, mesh)
   state = train_setup.init_state(setup, 0)
   it = data.make_train_iterator(c)

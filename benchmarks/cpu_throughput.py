@@ -86,7 +86,7 @@ def synthetic_batch(seed: int) -> dict[str, np.ndarray]:
 
 
 def _setup(config):
-  mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  mesh = make_mesh(devices=jax.devices()[:1])
   return mesh, train_setup.build(config, mesh)
 
 

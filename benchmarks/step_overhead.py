@@ -53,7 +53,7 @@ def time_steps(step_fn, steps: int) -> float:
 
 
 def ours(c, steps: int) -> float:
-  mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  mesh = make_mesh(devices=jax.devices()[:1])
   setup = train_setup.build(c, mesh)
   holder = {"state": train_setup.init_state(setup, 0)}
   batch = trainer.to_global_batch(batch_of(c), mesh)
@@ -69,7 +69,7 @@ def ours(c, steps: int) -> float:
 
 def graph_mode(c, steps: int) -> float:
   cfg = ModelConfig.from_config(c)
-  mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  mesh = make_mesh(devices=jax.devices()[:1])
   with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_RULES):
     model = Llama(cfg, rngs=nnx.Rngs(0))
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)

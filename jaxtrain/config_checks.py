@@ -6,52 +6,20 @@ key, the bad value, and how to fix it (the CLI prints it and exits with code 2).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from jaxtrain.dryrun import targets
+from jaxtrain.mesh import BATCH_AXES, MESH_AXES, MeshShape, check_divides, resolve_shape
 from jaxtrain.config import (ATTENTION_IMPLS, DTYPES, LORA_TARGETS, OBJECTIVES, REMAT_POLICIES,
                              ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError)
 
 
-@dataclasses.dataclass(frozen=True)
-class MeshShape:
-  data: int
-  fsdp: int
-  tensor: int
-
-  @property
-  def batch_shards(self) -> int:
-    return self.data * self.fsdp
-
-
 def resolve_mesh_shape(config, num_devices: int) -> MeshShape:
-  """Fills the one -1 axis so the product is the device count; ConfigError when impossible."""
-  sizes = {name: int(config.mesh[name]) for name in ("data", "fsdp", "tensor")}
-  free = [n for n, s in sizes.items() if s == -1]
-  for name, size in sizes.items():
-    if size == 0 or size < -1:
-      raise ConfigError(f"mesh.{name}={size}: mesh axis sizes must be positive (or -1 for one axis "
-                        f"to take the remaining devices)")
-  if len(free) > 1:
-    raise ConfigError(f"mesh.{free[1]}=-1: only one mesh axis may be -1 (also mesh.{free[0]}=-1); "
-                      f"give the others explicit sizes")
-  fixed = 1
-  for n, s in sizes.items():
-    if s != -1:
-      fixed *= s
-  if free:
-    if num_devices % fixed:
-      given = " ".join(f"mesh.{n}={s}" for n, s in sizes.items())
-      raise ConfigError(f"{given}: the fixed axes multiply to {fixed}, which does not divide the "
-                        f"{num_devices} devices, so mesh.{free[0]}=-1 cannot fill them; choose "
-                        f"sizes whose product divides {num_devices}")
-    sizes[free[0]] = num_devices // fixed
-  elif fixed != num_devices:
-    raise ConfigError(f"mesh.data*mesh.fsdp*mesh.tensor={sizes['data']}*{sizes['fsdp']}*"
-                      f"{sizes['tensor']}={fixed}, but {num_devices} devices are present; make "
-                      f"the product {num_devices} or set one axis to -1")
-  return MeshShape(**sizes)
+  """The config's mesh sizes with the one -1 axis filled; ConfigError when impossible."""
+  try:
+    return resolve_shape({axis: config.mesh[axis] for axis in MESH_AXES}, num_devices)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
 
 def _check_cudnn_lengths(config, platform: str):
@@ -149,16 +117,10 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
     raise ConfigError(f"model.head_dim={m.head_dim}: must be even for rotary embeddings")
 
   mesh = resolve_mesh_shape(config, num_devices)
-  tensor_divides = (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads),
-                    ("model.mlp_dim", m.mlp_dim), ("model.vocab_size", m.vocab_size))
-  for key, value in tensor_divides:
-    if value % mesh.tensor:
-      raise ConfigError(f"mesh.tensor={mesh.tensor}: does not divide {key}={value}; use a "
-                        f"tensor size that divides it (e.g. "
-                        f"{_largest_divisor(value, mesh.tensor)})")
-  if m.d_model % mesh.fsdp:
-    raise ConfigError(f"mesh.fsdp={mesh.fsdp}: does not divide model.d_model={m.d_model}; use an "
-                      f"fsdp size that divides it")
+  try:
+    check_divides(mesh, m)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
   t = config.train
   per_step = mesh.batch_shards * t.grad_accum_steps
@@ -199,8 +161,8 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
 def _check_multihost(config, mesh: MeshShape, num_processes: int | None, num_slices: int):
   """mesh.dcn_*, data.num_shards and distributed.* (see default_config)."""
   dcn = {}
-  for axis in ("data", "fsdp"):
-    size, whole = config.mesh[f"dcn_{axis}"], getattr(mesh, axis)
+  for axis in BATCH_AXES:  # the axes that may span host groups (mesh.make_mesh)
+    size, whole = config.mesh[f"dcn_{axis}"], mesh[axis]
     if not isinstance(size, int) or size < 1:
       raise ConfigError(f"mesh.dcn_{axis}={size}: must be a positive number of host groups (1: "
                         f"the {axis} axis stays within each host or slice)")

@@ -53,7 +53,7 @@ def load(checkpoint: str, config_path: str | None = None):
       config = load_config_file(os.path.join(checkpoint, "config.py"))
     else:
       raise ConfigError(f"--checkpoint={checkpoint!r}: no saved config found; pass --config")
-  mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  mesh = make_mesh(devices=jax.devices()[:1])
   # Generation computes one token at a time: no remat, and the dense xla attention suffices.
   config.model.remat_policy = "none"
   cfg = dataclasses.replace(ModelConfig.from_config(config), attention_impl="xla")

@@ -7,7 +7,8 @@ are rows of this table; a new parallelism adds a mesh axis and rows.
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -43,42 +44,139 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 _RULES = dict(LOGICAL_RULES)
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
-              devices: Sequence[jax.Device] | None = None, *, dcn_data: int = 1,
-              dcn_fsdp: int = 1) -> Mesh:
-  """A (data, fsdp, tensor) mesh over `devices` (default: all). One size may be -1 (the rest).
+class MeshShape:
+  """A size for every axis of MESH_AXES, looked up by name: `shape["fsdp"]` or `shape.fsdp`."""
 
-  With dcn_data or dcn_fsdp > 1 the mesh is hybrid: the devices form dcn_data*dcn_fsdp groups
-  (TPU slices, or processes where devices have no slices, as on GPU hosts and CPU), each laid
-  out as (data/dcn_data, fsdp/dcn_fsdp, tensor) over its fast interconnect (ICI, NVLink), and
-  the groups are tiled along data and fsdp, so only those axes cross the slower data-center
-  network. Tensor parallelism never leaves a group.
+  __slots__ = ("_sizes",)
+
+  def __init__(self, sizes: Mapping[str, int] | None = None, **named: int):
+    given = {**(sizes or {}), **named}
+    unknown = sorted(set(given) - set(MESH_AXES))
+    if unknown:
+      raise ValueError(f"unknown mesh axes {unknown}; the axes are {MESH_AXES}")
+    object.__setattr__(self, "_sizes", tuple(int(given.get(a, 1)) for a in MESH_AXES))
+
+  def __getitem__(self, axis: str) -> int:
+    return self._sizes[MESH_AXES.index(axis)]
+
+  def __getattr__(self, axis: str) -> int:
+    if axis in MESH_AXES:
+      return self[axis]
+    raise AttributeError(axis)
+
+  def __setattr__(self, name, value):
+    raise AttributeError("MeshShape is immutable")
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, MeshShape) and self._sizes == other._sizes
+
+  def __hash__(self) -> int:
+    return hash(self._sizes)
+
+  def __repr__(self) -> str:
+    return f"MeshShape({', '.join(f'{a}={s}' for a, s in self.items())})"
+
+  def items(self) -> tuple[tuple[str, int], ...]:
+    return tuple(zip(MESH_AXES, self._sizes))
+
+  def describe(self) -> str:
+    """"data=1 fsdp=8 tensor=1": for run tables and messages."""
+    return " ".join(f"{a}={s}" for a, s in self.items())
+
+  @property
+  def batch_shards(self) -> int:
+    """How many ways the batch is split: the product of BATCH_AXES."""
+    return math.prod(self[a] for a in BATCH_AXES)
+
+
+def resolve_shape(requested: Mapping[str, int], num_devices: int) -> MeshShape:
+  """Fills the one axis of size -1 so the sizes multiply to `num_devices`.
+
+  `requested` names a size for each axis (missing: 1). Raises ValueError with one line naming
+  the `mesh.<axis>` keys and the fix.
+  """
+  sizes = {axis: int(requested.get(axis, 1)) for axis in MESH_AXES}
+  for axis, size in sizes.items():
+    if size == 0 or size < -1:
+      raise ValueError(f"mesh.{axis}={size}: mesh axis sizes must be positive (or -1 for one "
+                       f"axis to take the remaining devices)")
+  free = [a for a, s in sizes.items() if s == -1]
+  if len(free) > 1:
+    raise ValueError(f"mesh.{free[1]}=-1: only one mesh axis may be -1 (also mesh.{free[0]}=-1); "
+                     f"give the others explicit sizes")
+  fixed = math.prod(s for s in sizes.values() if s != -1)
+  if free:
+    if num_devices % fixed:
+      given = " ".join(f"mesh.{a}={s}" for a, s in sizes.items())
+      raise ValueError(f"{given}: the fixed axes multiply to {fixed}, which does not divide the "
+                       f"{num_devices} devices, so mesh.{free[0]}=-1 cannot fill them; choose "
+                       f"sizes whose product divides {num_devices}")
+    sizes[free[0]] = num_devices // fixed
+  elif fixed != num_devices:
+    product = "*".join(f"mesh.{a}" for a in MESH_AXES)
+    values = "*".join(str(s) for s in sizes.values())
+    raise ValueError(f"{product}={values}={fixed}, but {num_devices} devices are present; make "
+                     f"the product {num_devices} or set one axis to -1")
+  return MeshShape(sizes)
+
+
+# The model dim each sharded parameter axis labels (model config field). Every mesh axis that
+# LOGICAL_RULES lets shard one of them must divide it: the divisibility rules, derived from the
+# one table rather than written per axis.
+PARAM_DIMS = {"vocab": "vocab_size", "embed": "d_model", "mlp": "mlp_dim", "heads": "num_heads",
+              "kv_heads": "num_kv_heads"}
+
+
+def check_divides(shape: MeshShape, model) -> None:
+  """Raises ValueError (one line: key, value, fix) when a mesh axis does not divide a model dim
+  it shards; `model` is the config's `model` group (or any object with those fields)."""
+  for logical, field in PARAM_DIMS.items():
+    axes = _RULES[logical]
+    for axis in (axes,) if isinstance(axes, str) else axes or ():
+      size, value = shape[axis], int(getattr(model, field))
+      if value % size:
+        hint = max(d for d in range(1, size + 1) if value % d == 0)
+        raise ValueError(f"mesh.{axis}={size}: does not divide model.{field}={value}; use a "
+                         f"{axis} size that divides it (e.g. {hint})")
+
+
+def make_mesh(shape: Mapping[str, int] | MeshShape | None = None,
+              devices: Sequence[jax.Device] | None = None, *,
+              dcn: Mapping[str, int] | None = None) -> Mesh:
+  """The mesh over `devices` (default: all) with the axis sizes of `shape` (axes not named: 1;
+  one may be -1: the rest of the devices; default: fsdp over all of them).
+
+  With `dcn` sizes > 1 (data and fsdp only) the mesh is hybrid: the devices form prod(dcn)
+  groups (TPU slices, or processes where devices have no slices, as on GPU hosts and CPU), each
+  laid out as shape/dcn over its fast interconnect (ICI, NVLink), and the groups are tiled along
+  those axes, so only they cross the slower data-center network. Tensor parallelism never
+  leaves a group.
 
   Axes are Auto (GSPMD propagation): the model states shardings for params and a few activation
   constraints, and XLA chooses the collectives.
   """
   devices = list(jax.devices() if devices is None else devices)
-  sizes = [data, fsdp, tensor]
-  if sizes.count(-1) > 1:
-    raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} "
-                     f"tensor={tensor}")
-  known = int(np.prod([s for s in sizes if s != -1]))
-  if -1 in sizes:
-    if len(devices) % known:
-      raise ValueError(f"mesh sizes {sizes} cannot fill {len(devices)} devices")
-    sizes[sizes.index(-1)] = len(devices) // known
-  if int(np.prod(sizes)) != len(devices):
-    raise ValueError(f"mesh data*fsdp*tensor={sizes} has {int(np.prod(sizes))} devices, but "
-                     f"{len(devices)} are present")
-  axis_types = (AxisType.Auto,) * 3
-  if dcn_data * dcn_fsdp == 1:
-    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=axis_types, devices=devices)
-  if sizes[0] % dcn_data or sizes[1] % dcn_fsdp:
-    raise ValueError(f"mesh data={sizes[0]} fsdp={sizes[1]} is not divisible by dcn_data="
-                     f"{dcn_data} dcn_fsdp={dcn_fsdp}")
-  ici = (sizes[0] // dcn_data, sizes[1] // dcn_fsdp, sizes[2])
+  if shape is None:
+    shape = {"fsdp": -1}
+  if not isinstance(shape, MeshShape):
+    shape = resolve_shape(shape, len(devices))
+  if math.prod(s for _, s in shape.items()) != len(devices):
+    raise ValueError(f"mesh {shape.describe()} has {math.prod(s for _, s in shape.items())} "
+                     f"devices, but {len(devices)} are present")
+  sizes = tuple(s for _, s in shape.items())
+  dcn_sizes = tuple(int((dcn or {}).get(a, 1)) for a in MESH_AXES)
+  unknown = sorted(set(dcn or {}) - set(BATCH_AXES))
+  if unknown:
+    raise ValueError(f"only {BATCH_AXES} may span host groups, got dcn axes {unknown}")
+  axis_types = (AxisType.Auto,) * len(MESH_AXES)
+  if math.prod(dcn_sizes) == 1:
+    return jax.make_mesh(sizes, MESH_AXES, axis_types=axis_types, devices=devices)
+  if any(s % d for s, d in zip(sizes, dcn_sizes)):
+    raise ValueError(f"mesh {shape.describe()} is not divisible by the host groups "
+                     f"{dict(zip(MESH_AXES, dcn_sizes))}")
+  ici = tuple(s // d for s, d in zip(sizes, dcn_sizes))
   grid = mesh_utils.create_hybrid_device_mesh(
-      ici, (dcn_data, dcn_fsdp, 1), devices, process_is_granule=num_slices(devices) == 1)
+      ici, dcn_sizes, devices, process_is_granule=num_slices(devices) == 1)
   return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 

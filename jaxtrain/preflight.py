@@ -22,6 +22,7 @@ import jax
 from jaxtrain import train_setup
 from jaxtrain.dryrun import measure
 from jaxtrain.dryrun.targets import GIB, USABLE_FRACTION, host_available_bytes
+from jaxtrain.mesh import BATCH_AXES
 from jaxtrain.train_setup import Setup
 
 
@@ -90,8 +91,8 @@ def best_change(config, exact: measure.StateBytes, needed: int, available: int, 
   if devices[0].platform != "cpu" and not o.offload_state and needed - exact.opt_device <= usable:
     return "try --config.optim.offload_state=True (optimizer state in host memory)"
   activations = needed - exact.on_device
-  microbatch = t.global_batch_size // (mesh.shape["data"] * mesh.shape["fsdp"] *
-                                       t.grad_accum_steps)
+  batch_shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
+  microbatch = t.global_batch_size // (batch_shards * t.grad_accum_steps)
   room = usable - exact.on_device
   if room > 0 and activations > 0 and microbatch > 1:
     # Activations scale about linearly with the microbatch: split it k ways.

@@ -28,7 +28,7 @@ from jaxtrain.checkpoint import Checkpointer, abstract_like, load_params
 from jaxtrain import host_memory
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import preflight
-from jaxtrain.config_checks import MeshShape
+from jaxtrain.mesh import MeshShape
 from jaxtrain.health import LossSpikeDetector, check_bad_streak
 from jaxtrain.mesh import batch_sharding, make_mesh
 from jaxtrain.model import ModelConfig
@@ -75,8 +75,7 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
   if devices[0].platform == "cpu":
     rows.append(("host memory", host_memory.describe()))
   rows += [
-      ("mesh", f"data={mesh.shape['data']} fsdp={mesh.shape['fsdp']} "
-               f"tensor={mesh.shape['tensor']}"),
+      ("mesh", mesh_shape.describe()),
       ("parameters", f"{metrics_lib.format_count(metrics_lib.count_params(model_cfg))} "
                      f"({metrics_lib.count_params(model_cfg):,})"),
       ("model", f"L={model_cfg.num_layers} D={model_cfg.d_model} H={model_cfg.num_heads} "
@@ -130,8 +129,7 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
   Raises preflight.DoesNotFitError, before allocating or writing anything, when the step cannot
   fit the devices' memory (`config_path` goes into the message's dry-run command).
   """
-  mesh = make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor,
-                   dcn_data=config.mesh.dcn_data, dcn_fsdp=config.mesh.dcn_fsdp)
+  mesh = make_mesh(mesh_shape, dcn={"data": config.mesh.dcn_data, "fsdp": config.mesh.dcn_fsdp})
   setup = build(config, mesh)
   # Compiled on abstract inputs and checked against the devices' memory; the loop runs it.
   setup = dataclasses.replace(setup, train_step=preflight.check(config, setup, config_path))

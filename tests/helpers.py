@@ -7,9 +7,9 @@ import sys
 
 import jax
 import numpy as np
-from jax.sharding import AxisType
 
 from jaxtrain.config import default_config
+from jaxtrain.mesh import MESH_AXES, make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,10 +34,9 @@ def small_config(**model_overrides):
 
 
 def mesh_of(shape):
-  """A (data, fsdp, tensor) mesh over the first prod(shape) devices."""
+  """A mesh over the first prod(shape) devices; `shape` gives the sizes of MESH_AXES in order."""
   n = int(np.prod(shape))
-  return jax.make_mesh(tuple(shape), ("data", "fsdp", "tensor"),
-                       axis_types=(AxisType.Auto,) * 3, devices=jax.devices()[:n])
+  return make_mesh(dict(zip(MESH_AXES, shape)), jax.devices()[:n])
 
 
 def packed_batch(batch_size, seq_len, vocab, seed=0, docs_per_row=2):

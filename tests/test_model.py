@@ -90,7 +90,7 @@ def _tokens(seed=0, b=B, t=T, vocab=CFG.vocab_size):
 
 @pytest.fixture(scope="module")
 def mesh1():
-  return mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  return mesh_lib.make_mesh(devices=jax.devices()[:1])
 
 
 @pytest.fixture(scope="module")
@@ -344,7 +344,7 @@ def _path_names(path):
 
 def test_params_sharded_by_logical_axes(mesh1):
   assert len(jax.devices()) == 8
-  mesh = mesh_lib.make_mesh(1, 2, 4)
+  mesh = mesh_lib.make_mesh({"fsdp": 2, "tensor": 4})
   model = create_model(MESH_CFG, mesh, seed=0)
   state = nnx.state(model)
   rules = dict(LOGICAL_RULES)

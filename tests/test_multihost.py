@@ -126,8 +126,8 @@ def test_good_multihost_configs_validate():
 def test_hybrid_mesh_needs_as_many_groups_as_dcn_axes():
   # One process, no slices: one group, so a DCN axis of 2 cannot be formed.
   with pytest.raises(ValueError, match="must equal the product of dcn_mesh_shape"):
-    make_mesh(2, 2, 2, dcn_data=2)
-  mesh = make_mesh(2, 2, 2, dcn_data=1, dcn_fsdp=1)
+    make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, dcn={"data": 2})
+  mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, dcn={"data": 1, "fsdp": 1})
   assert list(batch_rows_by_process(mesh, 8)) == [0]
   assert batch_rows_by_process(mesh, 8)[0].tolist() == list(range(8))
 

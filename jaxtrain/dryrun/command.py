@@ -192,7 +192,7 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
                      f"({metrics.count_params(cfg):,}); L={cfg.num_layers} D={cfg.d_model} "
                      f"H={cfg.num_heads} K={cfg.num_kv_heads} E={cfg.head_dim} "
                      f"F={cfg.mlp_dim} V={cfg.vocab_size}"),
-      ("mesh", f"data={m.mesh.data} fsdp={m.mesh.fsdp} tensor={m.mesh.tensor}"),
+      ("mesh", m.mesh.describe()),
       ("batch", f"global {t.global_batch_size} seq × {t.seq_len}; per device "
                 f"{t.global_batch_size // shards} seq, microbatch {microbatch} "
                 f"(grad accum {t.grad_accum_steps})"),

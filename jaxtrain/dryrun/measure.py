@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import dpo, metrics, train_setup
-from jaxtrain.config_checks import MeshShape, validate
+from jaxtrain.config_checks import validate
 from jaxtrain.dryrun import hlo_flops
-from jaxtrain.mesh import batch_sharding, make_mesh, platform_of_backend
+from jaxtrain.mesh import MeshShape, batch_sharding, make_mesh, platform_of_backend
 from jaxtrain.model import ModelConfig
 from jaxtrain.train_step import BATCH_KEYS
 
@@ -163,7 +163,7 @@ def compile_step(config, devices, platform: str | None = None):
   backend = platform_of_backend(devices[0].platform)
   platform = platform or backend
   mesh_shape = validate(config, len(devices), platform)
-  mesh = make_mesh(mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor, devices=devices)
+  mesh = make_mesh(mesh_shape, devices)
   model_cfg, attention_note = modelled_model_config(config, backend, platform)
   # The step exactly as the trainer builds it, frozen weights (LoRA base, DPO reference) included.
   setup = train_setup.build(config, mesh, model_cfg)

@@ -46,7 +46,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def default_mesh() -> Mesh:
   """One device: what `load_model` uses when no mesh is given."""
-  return make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  return make_mesh(devices=jax.devices()[:1])
 
 
 def _key_path(path) -> tuple:
@@ -322,7 +322,7 @@ def _host_mesh(cfg: ModelConfig) -> Mesh:
   """All local devices along fsdp when the model dim splits evenly over them, else one."""
   n = jax.local_device_count()
   if n > 1 and cfg.d_model % n == 0:
-    mesh = make_mesh(1, n, 1, devices=jax.local_devices())
+    mesh = make_mesh({"fsdp": n}, jax.local_devices())
     if cfg.base_quant == "none":
       return mesh
     from jaxtrain import peft  # pylint: disable=import-outside-toplevel
