@@ -1,8 +1,11 @@
 """The device mesh and the one table mapping logical axis names to mesh axes.
 
 Parallelism is data here, not code: params and activations name their dims logically (`embed`,
-`heads`, ...) and LOGICAL_RULES says which mesh axes shard each. FSDP, tensor and data parallelism
-are rows of this table; a new parallelism adds a mesh axis and rows.
+`heads`, ...) and LOGICAL_RULES says which mesh axes shard each. FSDP, tensor, context and data
+parallelism are rows of this table; a new parallelism adds a mesh axis and rows.
+
+Axis order is device order: later axes are laid over the closest devices, so `tensor` (a
+collective per matmul) and `context` (K/V exchanges per layer) get the fastest links.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated). Every logical name used by
@@ -23,7 +26,9 @@ BATCH_AXES = ("data", "fsdp")
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # parameters
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    # Weights are sharded over `context` as over fsdp: a context-parallel run holds no more
+    # weight bytes per device than an fsdp run on as many devices.
+    ("embed", ("fsdp", "context")),
     ("mlp", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -31,10 +36,11 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("norm", None),
     ("layers", None),
     ("lora_rank", None),  # LoRA adapters: the rank dim is small; shard only their I/O dims
-    # activations: the batch is split over every data-parallel axis; the model dim is whole on
-    # each device between layers (fsdp gathers weights, not activations).
+    # activations: the batch is split over every data-parallel axis and the sequence over
+    # `context`; the model dim is whole on each device between layers (fsdp gathers weights,
+    # not activations).
     ("act_batch", BATCH_AXES),
-    ("act_length", None),
+    ("act_length", "context"),
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_kv_heads", "tensor"),
@@ -128,16 +134,20 @@ PARAM_DIMS = {"vocab": "vocab_size", "embed": "d_model", "mlp": "mlp_dim", "head
 
 
 def check_divides(shape: MeshShape, model) -> None:
-  """Raises ValueError (one line: key, value, fix) when a mesh axis does not divide a model dim
-  it shards; `model` is the config's `model` group (or any object with those fields)."""
+  """Raises ValueError (one line: key, value, fix) when the mesh axes sharding a model dim do
+  not divide it; `model` is the config's `model` group (or any object with those fields)."""
   for logical, field in PARAM_DIMS.items():
     axes = _RULES[logical]
-    for axis in (axes,) if isinstance(axes, str) else axes or ():
-      size, value = shape[axis], int(getattr(model, field))
-      if value % size:
-        hint = max(d for d in range(1, size + 1) if value % d == 0)
-        raise ValueError(f"mesh.{axis}={size}: does not divide model.{field}={value}; use a "
-                         f"{axis} size that divides it (e.g. {hint})")
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    size, value = math.prod(shape[a] for a in axes), int(getattr(model, field))
+    if axes and value % size:
+      split = [a for a in axes if shape[a] > 1]  # name only the axes that split the dim
+      keys = "*".join(f"mesh.{a}" for a in split)
+      sizes = "*".join(str(shape[a]) for a in split)
+      hint = max(d for d in range(1, size + 1) if value % d == 0)
+      named = keys if len(split) == 1 else f"{keys}={sizes}"
+      raise ValueError(f"{named}={size}: does not divide model.{field}={value}; use sizes whose "
+                       f"product divides it (e.g. {hint})")
 
 
 def make_mesh(shape: Mapping[str, int] | MeshShape | None = None,
