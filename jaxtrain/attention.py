@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.blockwise_attention import blockwise_attention
+from jaxtrain.context_attention import context_attention
+from jaxtrain.context_parallel import context_size
 from jaxtrain.mesh import logical_to_spec
 from kernels_pallas.flash_attention import current_platform, flash_attention
 
@@ -121,15 +123,21 @@ def pallas_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True
 
 
 def attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, impl="xla", causal=True,
-              sm_scale=None, platform=None, interpret=False, block_q=None, block_k=None):
+              sm_scale=None, platform=None, interpret=False, block_q=None, block_k=None,
+              context_parallel="all_gather", load_balance=True):
   """Causal (by default) attention within segments; returns [B, T, H, E] in q's dtype.
 
   `platform` is what the program compiles for ("cpu", "gpu", "tpu"; the model passes its
   mesh's); it resolves `auto` and picks the kernels' route. `interpret`, `block_q` and `block_k`
-  apply to `pallas` only.
+  apply to `pallas` only. Under a mesh whose `context` axis is > 1 the sequence is split over it
+  (in the layout `load_balance` names) and `context_parallel` says how attention crosses the
+  split (jaxtrain.context_attention: exact tiles in jnp on every platform).
   """
   platform = platform or current_platform()
   impl = resolve_impl(impl, platform, interpret=interpret)
+  if context_size() > 1:
+    return context_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, strategy=context_parallel,
+                             balanced=load_balance, causal=causal, sm_scale=sm_scale)
   if impl == "pallas":
     return pallas_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, causal=causal,
                             sm_scale=sm_scale, interpret=interpret, block_q=block_q,

@@ -76,10 +76,22 @@ def default_config() -> ml_collections.ConfigDict:
   # pallas only: query / key rows per kernel block; 0 picks the backend's default.
   c.attention.block_q = 0
   c.attention.block_k = 0
+  # With mesh.context > 1: how attention crosses the split sequence. all_gather: each device
+  # gathers the whole sequence's keys and values (one collective per layer; cheap under GQA);
+  # ring: keys and values pass around the context devices with ppermute, two parts in memory
+  # at a time (longest sequences). See docs/parallelism.md.
+  c.attention.context_parallel = "all_gather"
+  # With mesh.context > 1: reorder each sequence before it is split so every context device
+  # has the same causal-attention work (dual chunk swap: device i holds chunks i and 2C-1-i).
+  c.attention.load_balance = True
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1
   c.mesh.fsdp = -1  # -1: all devices not used by the other axes
+  # Context parallelism: the sequence of every activation is split over this many devices, and
+  # the weights are sharded over them as over fsdp (attention.context_parallel says how
+  # attention crosses the split). Stays within a host group, like tensor.
+  c.mesh.context = 1
   c.mesh.tensor = 1
   # Multi-host: how many groups of hosts (TPU slices, else processes) the data and fsdp axes
   # span over the data-center network; each group holds mesh.data/dcn_data x

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from jaxtrain.dryrun import targets
+from jaxtrain.context_parallel import STRATEGIES as CONTEXT_STRATEGIES
 from jaxtrain.mesh import BATCH_AXES, MESH_AXES, MeshShape, check_divides, resolve_shape
 from jaxtrain.config import (ATTENTION_IMPLS, DTYPES, LORA_TARGETS, OBJECTIVES, REMAT_POLICIES,
                              ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError)
@@ -36,6 +37,34 @@ def _check_cudnn_lengths(config, platform: str):
     raise ConfigError(f"train.seq_len={t.seq_len}: {row}, and cuDNN attention (attention.impl="
                       f"{impl!r} on GPU) needs an even length; use train.seq_len="
                       f"{t.seq_len - 1}, or attention.impl='pallas'")
+
+
+def _check_context(config, mesh: MeshShape):
+  """attention.context_parallel / load_balance against mesh.context and the sequence length."""
+  a, t = config.attention, config.train
+  if a.context_parallel not in CONTEXT_STRATEGIES:
+    raise ConfigError(f"attention.context_parallel={a.context_parallel!r}: choose one of "
+                      f"{', '.join(CONTEXT_STRATEGIES)}")
+  if not isinstance(a.load_balance, bool):
+    raise ConfigError(f"attention.load_balance={a.load_balance!r}: must be True or False")
+  shards = mesh.context
+  if a.context_parallel == "ring" and shards == 1:
+    raise ConfigError("attention.context_parallel='ring': needs mesh.context > 1 (keys and "
+                      "values travel around the context devices, and mesh.context=1 has none); "
+                      "set --config.mesh.context to 2 or more, or use 'all_gather'")
+  if shards == 1:
+    return
+  length = t.seq_len + 1 if t.objective == "dpo" else t.seq_len
+  parts = 2 * shards if a.load_balance else shards
+  if length % parts:
+    row = (f"a DPO row (train.seq_len + 1 = {length} tokens)" if t.objective == "dpo"
+           else f"train.seq_len={t.seq_len}")
+    how = (f"2*mesh.context = {parts} chunks (the load-balanced layout: device i holds chunks i "
+           f"and {parts - 1}-i)" if a.load_balance else f"mesh.context = {parts} parts")
+    fix = (length // parts) * parts - (1 if t.objective == "dpo" else 0)
+    fix = fix if fix > 0 else parts - (1 if t.objective == "dpo" else 0)
+    raise ConfigError(f"train.seq_len={t.seq_len}: {row} does not split into {how}; use "
+                      f"train.seq_len={fix}, or a mesh.context that divides it")
 
 
 def _positive(config, key: str):
@@ -121,6 +150,7 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
     check_divides(mesh, m)
   except ValueError as e:
     raise ConfigError(str(e)) from None
+  _check_context(config, mesh)
 
   t = config.train
   per_step = mesh.batch_shards * t.grad_accum_steps

@@ -19,23 +19,50 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.context_parallel import context_size
 from jaxtrain.mesh import shard
 from jaxtrain.peft.projection import transposed_input_matmul
 
 
-def _chunked(x_BTD, targets_BT, mask_BT, c: int):
-  """Pads T to a multiple of C (padding has mask 0) and splits it: [N, B, C, ...] each."""
+def _chunked(x_BTD, targets_BT, mask_BT, chunk_size: int):
+  """[N, B, C, ...] each: chunks of C positions, scanned over N.
+
+  Under a `context` axis of size S the sequence is split over S devices, so each chunk takes
+  C/S positions from every device's part (the chunk dim stays split over `context` and the scan
+  never moves activations between devices); the loss is a sum, so the order is free. Each part
+  is padded to a multiple of C/S (padding has mask 0). With S = 1: consecutive chunks of C.
+  """
   b, t, d = x_BTD.shape
-  pad = (-t) % c
-  if pad:
-    x_BTD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0)))
-    targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
-    mask_BT = jnp.pad(mask_BT, ((0, 0), (0, pad)))
-  n = (t + pad) // c
-  x_NBCD = x_BTD.reshape(b, n, c, d).swapaxes(0, 1)
-  targets_NBC = targets_BT.reshape(b, n, c).swapaxes(0, 1)
-  mask_NBC = mask_BT.astype(jnp.float32).reshape(b, n, c).swapaxes(0, 1)
-  return x_NBCD, targets_NBC, mask_NBC
+  s = context_size()
+  s = s if t % s == 0 else 1
+  local = t // s
+  c = min(max(chunk_size // s, 1), local)
+  pad = (-local) % c
+  n = (local + pad) // c
+
+  def split(x_BT):  # [B, T, ...] -> [N, B, S*c, ...]
+    x = x_BT.reshape(b, s, local, *x_BT.shape[2:])
+    if pad:
+      x = jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3))
+    x = x.reshape(b, s, n, c, *x_BT.shape[2:])
+    x = jnp.moveaxis(x, 2, 0)
+    return x.reshape(n, b, s * c, *x_BT.shape[2:])
+
+  x_NBCD = split(x_BTD)
+  if s > 1:
+    x_NBCD = shard(x_NBCD, (None, "act_batch", "act_length", "act_embed"))
+  return x_NBCD, split(targets_BT), split(mask_BT.astype(jnp.float32))
+
+
+def _unchunked(x_NBCD, t: int):
+  """The inverse of `_chunked` for one [N, B, C, D] array: [B, T, D]."""
+  n, b, sc, d = x_NBCD.shape
+  s = context_size()
+  s = s if t % s == 0 else 1
+  c = sc // s
+  x = x_NBCD.reshape(n, b, s, c, d)
+  x = jnp.moveaxis(x, 0, 2).reshape(b, s, n * c, d)[:, :, :t // s]
+  return x.reshape(b, t, d)
 
 
 def _flat(x_BCX):
@@ -61,8 +88,7 @@ def _chunk_loss(x_BCD, w_DV, targets_BC, mask_BC):
 
 
 def _loss_sum(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
-  x_NBCD, targets_NBC, mask_NBC = _chunked(x_BTD, targets_BT, mask_BT,
-                                           min(chunk_size, x_BTD.shape[1]))
+  x_NBCD, targets_NBC, mask_NBC = _chunked(x_BTD, targets_BT, mask_BT, chunk_size)
 
   def body(total, xs):
     return total + _chunk_loss(xs[0], w_DV, xs[1], xs[2])[0], None
@@ -85,7 +111,7 @@ def cross_entropy_sum(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int,
 
 def _fwd(x_BTD, w_DV, targets_BT, mask_BT, chunk_size, explicit_transpose_for_dw):
   b, t, d = x_BTD.shape
-  x_NBCD, targets_NBC, mask_NBC = _chunked(x_BTD, targets_BT, mask_BT, min(chunk_size, t))
+  x_NBCD, targets_NBC, mask_NBC = _chunked(x_BTD, targets_BT, mask_BT, chunk_size)
 
   def body(carry, xs):
     total, dw_DV = carry
@@ -107,7 +133,7 @@ def _fwd(x_BTD, w_DV, targets_BT, mask_BT, chunk_size, explicit_transpose_for_dw
 
   init = (jnp.zeros((), jnp.float32), shard(jnp.zeros(w_DV.shape, jnp.float32), ("embed", "vocab")))
   (total, dw_DV), dx_NBCD = jax.lax.scan(body, init, (x_NBCD, targets_NBC, mask_NBC))
-  dx_BTD = dx_NBCD.swapaxes(0, 1).reshape(b, -1, d)[:, :t]
+  dx_BTD = _unchunked(dx_NBCD, t)
   return total, (dx_BTD, dw_DV.astype(w_DV.dtype))
 
 
@@ -136,8 +162,7 @@ def sequence_cross_entropy(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
   `cross_entropy_sum`; here each chunk runs under remat instead, and the backward pass
   recomputes its logits. Memory is the same: [B, C, V] float32 at a time.
   """
-  x_NBCD, targets_NBC, mask_NBC = _chunked(x_BTD, targets_BT, mask_BT,
-                                           min(chunk_size, x_BTD.shape[1]))
+  x_NBCD, targets_NBC, mask_NBC = _chunked(x_BTD, targets_BT, mask_BT, chunk_size)
 
   @jax.checkpoint
   def chunk_rows(x_BCD, targets_BC, mask_BC):

@@ -28,13 +28,21 @@ def sequence_logprobs(model, input_ids_BT, attention_mask_BT, loss_mask_BT,
                       chunk_size: int = 512, dropout_key=None) -> jax.Array:
   """[B] float32: sum over t of log p(input_ids[t+1] | input_ids[:t+1]) where loss_mask[t+1]."""
   attention_mask_BT = attention_mask_BT.astype(jnp.int32)
+  b, t = input_ids_BT.shape
   # Right padding: real tokens keep positions 0..n-1 and never see the padding (segment 0)
-  # behind them, so a padded row computes exactly what the unpadded sequence would.
+  # behind them, so a padded row computes exactly what the unpadded sequence would. Position t
+  # predicts token t+1; the last position predicts nothing (weight 0). Tokens and their targets
+  # travel together through the context layout (a no-op without a context axis).
+  shift = lambda x_BT: jnp.concatenate([x_BT[:, 1:], jnp.zeros_like(x_BT[:, :1])], axis=1)
+  rows = model.sequence_layout({
+      "inputs": input_ids_BT, "segment_ids": attention_mask_BT,
+      "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+      "targets": shift(input_ids_BT),
+      "weights": shift((loss_mask_BT * attention_mask_BT).astype(jnp.float32))})
   kwargs = {} if dropout_key is None else {"dropout_key": dropout_key}  # LoRA dropout
-  x_BTD = model.hidden_states(input_ids_BT, None, attention_mask_BT, **kwargs)
-  weights_BT = (loss_mask_BT * attention_mask_BT).astype(jnp.float32)
-  nll_B = sequence_cross_entropy(x_BTD[:, :-1], model.head_weights(), input_ids_BT[:, 1:],
-                                 weights_BT[:, 1:], chunk_size)
+  x_BTD = model.hidden_states(rows["inputs"], rows["positions"], rows["segment_ids"], **kwargs)
+  nll_B = sequence_cross_entropy(x_BTD, model.head_weights(), rows["targets"], rows["weights"],
+                                 chunk_size)
   return -nll_B
 
 

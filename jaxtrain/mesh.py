@@ -86,7 +86,7 @@ class MeshShape:
     return tuple(zip(MESH_AXES, self._sizes))
 
   def describe(self) -> str:
-    """"data=1 fsdp=8 tensor=1": for run tables and messages."""
+    """"data=1 fsdp=8 context=1 tensor=1": for run tables and messages."""
     return " ".join(f"{a}={s}" for a, s in self.items())
 
   @property

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain import attention as attention_lib
+from jaxtrain import context_parallel
 from jaxtrain.config import lora_targets as config_lora_targets, resolve_compute_dtype
 from jaxtrain.mesh import platform_of_backend, shard
 from jaxtrain.peft import lora as lora_lib
@@ -53,6 +54,10 @@ class ModelConfig:
   attention_impl: str = "xla"
   attention_interpret: bool = False  # pallas: run the kernels in the Pallas interpreter
   attention_blocks: tuple[int, int] = (0, 0)  # pallas: (block_q, block_k); 0 = the default
+  # Under a mesh with a `context` axis > 1 (jaxtrain.context_parallel): how attention crosses
+  # the split sequence, and whether the sequence is in the load-balanced layout.
+  context_parallel: str = "all_gather"
+  context_load_balance: bool = True
   param_dtype: str = "float32"
   dtype: str = "float32"
   # LoRA / QLoRA (the run config's `lora` group; rank 0 = the plain model, bit for bit).
@@ -99,6 +104,8 @@ class ModelConfig:
                remat_policy=m.remat_policy, attention_impl=config.attention.impl,
                attention_interpret=config.attention.interpret,
                attention_blocks=(config.attention.block_q, config.attention.block_k),
+               context_parallel=config.attention.context_parallel,
+               context_load_balance=bool(config.attention.load_balance),
                param_dtype=m.param_dtype,
                dtype=resolve_compute_dtype(m.dtype, platform),
                explicit_transpose_for_dw=platform == "cpu", platform=platform, **lora)
@@ -222,7 +229,9 @@ class Attention(nnx.Module):
     block_q, block_k = cfg.attention_blocks
     # A tuple, not a dict: NNX keeps static attributes in the graph definition, which must hash.
     self.attention_options = (("platform", cfg.platform), ("interpret", cfg.attention_interpret),
-                              ("block_q", block_q or None), ("block_k", block_k or None))
+                              ("block_q", block_q or None), ("block_k", block_k or None),
+                              ("context_parallel", cfg.context_parallel),
+                              ("load_balance", cfg.context_load_balance))
     self.dtype = jnp.dtype(cfg.dtype)
     self.explicit_transpose_for_dw = cfg.explicit_transpose_for_dw
 
@@ -316,9 +325,20 @@ class Llama(nnx.Module):
     w_DV = self.embed_VD[...].T if self.cfg.tie_embeddings else self.head_DV[...]
     return w_DV.astype(self.cfg.dtype)
 
+  def sequence_layout(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The [B, T] arrays of `batch` in the order `hidden_states` expects under the current mesh:
+    unchanged, unless a `context` axis > 1 splits the sequence in the load-balanced layout
+    (jaxtrain.context_parallel). Any per-token arrays (targets, loss masks) go through together,
+    so per-token losses pair up as before."""
+    return context_parallel.to_layout(batch, context_parallel.context_size(),
+                                      self.cfg.context_load_balance)
+
   def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
                     dropout_key=None) -> jax.Array:
     """Final-normed hidden states [B, T, D]; the loss applies the head in chunks.
+
+    Under a mesh whose `context` axis splits the sequence, the inputs must already be in its
+    layout (`sequence_layout`; positions given), and the outputs are in that layout too.
 
     `dropout_key`: LoRA dropout (training); None (eval, generation) runs without. Each layer
     gets its own key from it, and each adapter folds in its projection's index.
@@ -357,8 +377,19 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
                dropout_key=None) -> jax.Array:
-    """Logits [B, T, V] in float32 (for generation and interop; training uses the chunked loss)."""
-    x_BTD = self.hidden_states(tokens_BT, positions_BT, segment_ids_BT, dropout_key=dropout_key)
+    """Logits [B, T, V] in float32 (for generation and interop; training uses the chunked loss),
+    in the order of the inputs whatever the mesh."""
+    b, t = tokens_BT.shape
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    inputs = {"tokens": tokens_BT, "positions": positions_BT}
+    if segment_ids_BT is not None:
+      inputs["segment_ids"] = segment_ids_BT
+    inputs = self.sequence_layout(inputs)
+    x_BTD = self.hidden_states(inputs["tokens"], inputs["positions"], inputs.get("segment_ids"),
+                               dropout_key=dropout_key)
     logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.head_weights(),
                             preferred_element_type=jnp.float32)
+    logits_BTV = context_parallel.from_layout(logits_BTV, context_parallel.context_size(),
+                                              self.cfg.context_load_balance)
     return shard(logits_BTV, ("act_batch", "act_length", "act_vocab"))

@@ -58,6 +58,7 @@ def loss_sum_fn(params, graphdef, batch: Batch, loss_chunk_size: int, frozen=Non
                 dropout_key=None):
   """(summed loss, token count) of a language-model batch under `params`."""
   model = merge_model(graphdef, params, frozen)
+  batch = model.sequence_layout(batch)
   x_BTD = _hidden_states(model, batch, dropout_key)
   return chunked_cross_entropy(x_BTD, model.head_weights(), batch["targets"],
                                batch["loss_mask"], loss_chunk_size,

@@ -82,9 +82,16 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
                 f"K={model_cfg.num_kv_heads} E={model_cfg.head_dim} F={model_cfg.mlp_dim} "
                 f"V={model_cfg.vocab_size}"),
       ("global batch", f"{t.global_batch_size} seq × {t.seq_len} = {tokens:,} tokens"),
-      ("per-device batch", f"{per_device:g} seq = {per_device * t.seq_len:,.0f} tokens "
+      ("per-device batch", f"{per_device:g} seq = "
+                           f"{per_device * t.seq_len / mesh_shape.context:,.0f} tokens "
                            f"(grad accum {t.grad_accum_steps})"),
   ]
+  if mesh_shape.context > 1:
+    layout = ("load-balanced (device i: chunks i and 2C-1-i)" if model_cfg.context_load_balance
+              else "contiguous parts")
+    rows.append(("context", f"sequence split over {mesh_shape.context} devices "
+                            f"({t.seq_len // mesh_shape.context:,} tokens each, {layout}); "
+                            f"attention {model_cfg.context_parallel}"))
   if model_cfg.lora_rank:
     from jaxtrain import peft  # pylint: disable=import-outside-toplevel
     counts = peft.parameter_counts(model_cfg)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from jaxtrain.config import default_config
-from jaxtrain.mesh import MESH_AXES, make_mesh
+from jaxtrain.mesh import make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,9 +34,12 @@ def small_config(**model_overrides):
 
 
 def mesh_of(shape):
-  """A mesh over the first prod(shape) devices; `shape` gives the sizes of MESH_AXES in order."""
-  n = int(np.prod(shape))
-  return make_mesh(dict(zip(MESH_AXES, shape)), jax.devices()[:n])
+  """A mesh over the first prod(sizes) devices; `shape` is a {axis: size} mapping, or a
+  (data, fsdp, tensor) tuple (the other axes 1)."""
+  if not isinstance(shape, dict):
+    shape = dict(zip(("data", "fsdp", "tensor"), shape))
+  n = int(np.prod(list(shape.values())))
+  return make_mesh(shape, jax.devices()[:n])
 
 
 def packed_batch(batch_size, seq_len, vocab, seed=0, docs_per_row=2):

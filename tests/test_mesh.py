@@ -12,7 +12,7 @@ def test_sizes_are_looked_up_by_name_and_unnamed_axes_are_1():
   shape = MeshShape(fsdp=4, tensor=2)
   assert shape["fsdp"] == shape.fsdp == 4 and shape["data"] == 1
   assert shape.items() == tuple((a, {"fsdp": 4, "tensor": 2}.get(a, 1)) for a in MESH_AXES)
-  assert shape.batch_shards == 4 and shape.describe() == "data=1 fsdp=4 tensor=2"
+  assert shape.batch_shards == 4 and shape.describe() == "data=1 fsdp=4 context=1 tensor=2"
   assert MeshShape({"fsdp": 4}, tensor=2) == shape and hash(MeshShape(fsdp=4, tensor=2))
   with pytest.raises(ValueError, match="unknown mesh axes"):
     MeshShape(pipeline=2)
@@ -32,16 +32,21 @@ def test_divisibility_rules_come_from_the_sharding_table():
   check_divides(MeshShape(fsdp=4, tensor=2), model)
   # Every mesh axis that LOGICAL_RULES lets shard a parameter dim is checked against it.
   sharding = {dict(LOGICAL_RULES)[n] for n in ("vocab", "embed", "mlp", "heads", "kv_heads")}
-  assert sharding == {"tensor", "fsdp"}
+  assert sharding == {"tensor", ("fsdp", "context")}
   with pytest.raises(ValueError, match=r"mesh.tensor=4: does not divide model.num_kv_heads=2"):
     check_divides(MeshShape(tensor=4), model)
   with pytest.raises(ValueError, match=r"mesh.fsdp=3: does not divide model.d_model=128"):
     check_divides(MeshShape(fsdp=3), model)
+  # Axes that shard one dim together must divide it together: d_model over fsdp and context.
+  check_divides(MeshShape(fsdp=4, context=2), SimpleNamespace(**{**vars(model), "d_model": 8}))
+  with pytest.raises(ValueError, match=r"mesh.fsdp\*mesh.context=4\*4=16: does not divide "
+                                       r"model.d_model=8; use sizes whose product divides it"):
+    check_divides(MeshShape(fsdp=4, context=4), SimpleNamespace(**{**vars(model), "d_model": 8}))
 
 
 def test_make_mesh_defaults_to_fsdp_and_keeps_tensor_within_a_host_group():
   mesh = make_mesh(devices=jax.devices()[:4])
-  assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 1}
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "context": 1, "tensor": 1}
   assert mesh.axis_names == MESH_AXES and set(BATCH_AXES) <= set(MESH_AXES)
   with pytest.raises(ValueError, match="may span host groups"):
     make_mesh({"tensor": 8}, dcn={"tensor": 2})

@@ -1,0 +1,253 @@
+"""Context parallelism on 8 CPU devices: the sequence layout, ring and all-gather attention
+against the reference, training losses against one device, the collectives in the compiled
+step, checkpoints across meshes, and the config errors."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrain import attention, context_parallel as cp, train_setup, trainer
+from jaxtrain.config import ConfigError
+from jaxtrain.config_checks import validate
+from jaxtrain.context_attention import context_attention
+from jaxtrain.dryrun.measure import compile_setup
+from tests.helpers import mesh_of, packed_batch, run_main, small_config
+
+
+# ------------------------------------------------------------------------------ the layout
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4, 8])
+@pytest.mark.parametrize("balanced", [False, True])
+def test_layout_round_trips_exactly(shards, balanced):
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 64, 5)), jnp.float32)
+  laid = cp.to_layout({"x": x}, shards, balanced)["x"]
+  np.testing.assert_array_equal(cp.from_layout(laid, shards, balanced), x)
+  perm = cp.layout_permutation(64, shards, balanced)
+  assert sorted(perm.tolist()) == list(range(64))
+  np.testing.assert_array_equal(laid, x[:, perm])
+
+
+def test_dual_chunk_swap_gives_device_i_chunks_i_and_2c_minus_1_minus_i():
+  rows = cp.global_positions(16, 4, balanced=True)  # 8 chunks of 2
+  assert rows.tolist() == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+  assert cp.global_positions(16, 4, balanced=False).tolist()[3] == [12, 13, 14, 15]
+
+
+def test_load_balance_equalizes_the_causal_work():
+  plain = cp.causal_pairs_per_device(131072, 8, balanced=False)
+  balanced = cp.causal_pairs_per_device(131072, 8, balanced=True)
+  assert plain.sum() == balanced.sum() == 131072 * 131073 // 2
+  assert len(set(balanced.tolist())) == 1  # every device the same
+  assert plain.max() / plain.mean() > 1.8  # the last device: (2C-1)/C of the mean
+
+
+# ------------------------------------------------------------------------------ attention
+
+B, T, H, K, E = 2, 64, 8, 4, 16
+
+
+@pytest.fixture(scope="module")
+def qkv():
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.normal(size=(B, T, H, E)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(B, T, K, E)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(B, T, K, E)), jnp.float32)
+  # Packed rows: three documents of uneven lengths, then padding (segment 0).
+  seg = np.zeros((B, T), np.int32)
+  seg[0, :20], seg[0, 20:23], seg[0, 23:60] = 1, 2, 3
+  seg[1, :41], seg[1, 41:] = 1, 2
+  dout = jnp.asarray(rng.normal(size=(B, T, H, E)), jnp.float32)
+  return q, k, v, jnp.asarray(seg), dout
+
+
+@pytest.mark.parametrize("shape", [{"context": 4, "fsdp": 2},
+                                   {"context": 2, "data": 2, "tensor": 2},
+                                   {"context": 8}])
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.parametrize("balanced", [False, True])
+def test_context_attention_equals_reference_forward_and_gradients(qkv, shape, strategy,
+                                                                   balanced):
+  q, k, v, seg, dout = qkv
+  reference = lambda q, k, v: attention.xla_attention(q, k, v, seg)
+  ref_out, ref_vjp = jax.vjp(reference, q, k, v)
+  perm = cp.layout_permutation(T, shape["context"], balanced)
+  inverse = np.argsort(perm)
+
+  def split(q, k, v):  # in the layout, as the model sees it; back in order for comparison
+    out = context_attention(q[:, perm], k[:, perm], v[:, perm], seg[:, perm],
+                            strategy=strategy, balanced=balanced, tile=4)
+    return out[:, inverse]
+
+  with jax.set_mesh(mesh_of(shape)):
+    out, vjp = jax.vjp(jax.jit(split), q, k, v)
+    grads = vjp(dout)
+  np.testing.assert_allclose(out, ref_out, atol=2e-6)
+  for got, want in zip(grads, ref_vjp(dout)):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_tiles_above_the_causal_diagonal_are_skipped():
+  """The ring's tiles run under lax.cond: a device whose keys all follow its queries computes
+  nothing for them (here the first device of a plain split: 1 of C parts visible)."""
+  from jaxtrain import attention_tiles as tiles  # pylint: disable=import-outside-toplevel
+  calls = []
+  real = tiles._scores  # pylint: disable=protected-access
+
+  def counting(*args):
+    calls.append(1)
+    return real(*args)
+
+  q = jnp.ones((1, 8, 1, 4))
+  k = jnp.ones((1, 8, 1, 4))
+  seg = jnp.zeros((1, 8), jnp.int32)
+  stats = tiles.init_stats(q, 1, 4)
+  # Queries 0..7 against keys 8..15: every tile is above the diagonal.
+  later = tiles.accumulate(stats, q, k, k, seg, seg, jnp.arange(8), jnp.arange(8, 16),
+                           causal=True, sm_scale=1.0, tile_q=4, tile_k=4)
+  np.testing.assert_array_equal(later.l, stats.l)  # nothing was added
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(tiles, "_scores", counting)
+    jax.make_jaxpr(lambda: tiles.accumulate(stats, q, k, k, seg, seg, jnp.arange(8),
+                                            jnp.arange(8), causal=True, sm_scale=1.0,
+                                            tile_q=4, tile_k=4))()
+  assert calls  # traced once inside the cond's branch; the cond decides at run time
+
+
+# ------------------------------------------------------------------------------ training
+
+
+def _config(context, strategy, **mesh):
+  c = small_config()
+  c.train.seq_len = 64
+  c.attention.context_parallel = strategy
+  c.mesh.context = context
+  for axis, size in mesh.items():
+    c.mesh[axis] = size
+  return c
+
+
+def _losses(config, shape, steps=3):
+  setup = train_setup.build(config, mesh_of(shape))
+  state = train_setup.init_state(setup, seed=0)
+  losses = []
+  with jax.set_mesh(setup.mesh):
+    for step in range(steps):
+      batch = packed_batch(8, config.train.seq_len, 128, seed=step, docs_per_row=3)
+      state, metrics = setup.train_step(state, trainer.to_global_batch(batch, setup.mesh))
+      losses.append(float(metrics["loss"]))
+  return losses
+
+
+@pytest.fixture(scope="module")
+def one_device_losses():
+  return _losses(_config(1, "all_gather"), (1, 1, 1))
+
+
+@pytest.mark.parametrize("strategy,shape", [
+    ("all_gather", {"context": 4, "fsdp": 2}),
+    ("ring", {"context": 2, "data": 2, "tensor": 2}),
+    ("ring", {"context": 4, "fsdp": 2}),
+])
+def test_training_losses_equal_one_device(one_device_losses, strategy, shape):
+  losses = _losses(_config(strategy=strategy, **shape), shape)
+  np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)
+
+
+def test_unbalanced_layout_trains_the_same(one_device_losses):
+  config = _config(4, "ring", fsdp=2)
+  config.attention.load_balance = False
+  np.testing.assert_allclose(_losses(config, {"context": 4, "fsdp": 2}), one_device_losses,
+                             rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy,collective", [("ring", "collective-permute"),
+                                                 ("all_gather", "all-gather")])
+def test_compiled_step_has_the_strategys_collectives(strategy, collective):
+  config = _config(4, strategy, fsdp=2)
+  setup = train_setup.build(config, mesh_of({"context": 4, "fsdp": 2}))
+  compiled, _, _ = compile_setup(setup, config)
+  hlo = compiled.as_text()
+  assert collective in hlo
+  if strategy == "ring":
+    # K, V and segment ids pass on at every step but the last, in the forward and backward.
+    assert hlo.count("collective-permute-start") + hlo.count("collective-permute(") >= 3
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("overrides,words", [
+    ({"seq_len": 60}, ["train.seq_len=60", "2*mesh.context = 8 chunks", "train.seq_len=56"]),
+    ({"seq_len": 62, "load_balance": False}, ["train.seq_len=62", "mesh.context = 4 parts",
+                                             "train.seq_len=60"]),
+    ({"strategy": "ring", "context": 1}, ["attention.context_parallel='ring'",
+                                          "mesh.context > 1"]),
+    ({"strategy": "zigzag"}, ["attention.context_parallel='zigzag'", "all_gather, ring"]),
+])
+def test_bad_context_settings_are_one_line_errors(overrides, words):
+  config = _config(overrides.get("context", 4), overrides.get("strategy", "all_gather"),
+                   fsdp=-1)
+  config.train.seq_len = overrides.get("seq_len", 64)
+  config.attention.load_balance = overrides.get("load_balance", True)
+  with pytest.raises(ConfigError) as err:
+    validate(config, 8)
+  message = str(err.value)
+  assert "\n" not in message
+  for word in words:
+    assert word in message, (word, message)
+
+
+# ------------------------------------------------------------------------------ the CLI
+
+SMALL = ["--config.model.num_layers=2", "--config.model.d_model=64", "--config.model.mlp_dim=128",
+         "--config.model.num_heads=4", "--config.model.num_kv_heads=2",
+         "--config.model.head_dim=16", "--config.train.seq_len=64",
+         "--config.train.global_batch_size=8", "--config.train.eval_batches=2",
+         "--config.train.steps=6", "--config.train.log_every=1", "--config.train.eval_every=6",
+         "--config.optim.warmup_steps=2", "--config.optim.decay_steps=6",
+         "--config.checkpoint.every_steps=3"]
+
+
+def _cli(workdir, *overrides, devices=1):
+  proc = run_main("--config=configs/tiny.py", f"--workdir={workdir}", *SMALL, *overrides,
+                  devices=devices)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return proc, [r["loss"] for r in map(json.loads, f) if "loss" in r]
+
+
+CONTEXT_RING = ["--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.mesh.data=1",
+                "--config.mesh.tensor=1", "--config.attention.context_parallel=ring"]
+
+
+@pytest.mark.slow
+def test_cli_ring_run_logs_one_device_losses_and_its_checkpoint_moves_across_meshes(tmp_path):
+  _, one = _cli(tmp_path / "one")
+  proc, ring = _cli(tmp_path / "ring", *CONTEXT_RING, devices=8)
+  assert len(ring) == 6
+  np.testing.assert_allclose(ring, one, rtol=1e-5)
+  assert "context=4" in proc.stdout and "ring" in proc.stdout
+  # Saved at step 3 under context=4; resumed on one device without context, and back.
+  resumed = tmp_path / "resumed"
+  _cli(resumed, *CONTEXT_RING, "--config.train.steps=3", devices=8)
+  proc, after = _cli(resumed)
+  assert "resumed from step 3" in proc.stdout
+  np.testing.assert_allclose(after[-3:], one[3:], rtol=1e-5)
+  back = tmp_path / "back"
+  _cli(back, "--config.train.steps=3")
+  proc, after = _cli(back, *CONTEXT_RING, devices=8)
+  assert "resumed from step 3" in proc.stdout
+  np.testing.assert_allclose(after[-3:], one[3:], rtol=1e-5)
+
+
+def test_cli_bad_sequence_length_exits_2_with_one_line(tmp_path):
+  proc = run_main("--config=configs/tiny.py", f"--workdir={tmp_path}", *CONTEXT_RING,
+                  "--config.train.seq_len=100", devices=8)
+  assert proc.returncode == 2, proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and "train.seq_len=100" in lines[0] and "train.seq_len=96" in lines[0]
