@@ -7,6 +7,9 @@ the optimized HLO text instead: FLOPs of every `dot` (2 * output elements * cont
 each computation weighted by how often it runs — a while body by its `known_trip_count`, which
 XLA records for the counted loops that `lax.scan` produces.
 
+A conditional (`lax.cond`) counts its costliest branch, as if it always ran: context-parallel
+attention's tiles above the causal diagonal, which it skips at run time, are counted too.
+
 Only matmuls are counted (the model's, attention included): `dot`s, and the `convolution`s that
 libtpu's compiler rewrites them into; elementwise work is left out as in the analytic formula
 (metrics.flops_per_token). libtpu also drops `known_trip_count` from its loops: the trip count is
@@ -23,7 +26,10 @@ import re
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _ARRAY = re.compile(r"^[a-z]+\d*\[([\d,]*)\]")
-_CALLEE = re.compile(r"\b(calls|body|to_apply|branch_computations|called_computations)="
+_CALLEE = re.compile(r"\b(calls|body|to_apply|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+# A conditional's branches: `branch_computations={...}`, or `true_computation=` /
+# `false_computation=` for a boolean predicate. One of them runs: counted as the costliest.
+_BRANCH = re.compile(r"\b(?:branch_computations|true_computation|false_computation)="
                      r"(\{[^}]*\}|%?[\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
@@ -43,6 +49,7 @@ class HloFlops:
 class _Computation:
   dot_flops: float = 0.0
   calls: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (callee, times)
+  choices: list[list[str]] = dataclasses.field(default_factory=list)  # conditionals' branches
   # Loop conditions: the integer constants and whether a `<` compare is among the instructions.
   int_constants: list[int] = dataclasses.field(default_factory=list)
   compares_less: bool = False
@@ -135,6 +142,11 @@ def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str | None, int, int
           current.open_loops.append((callees["body"].lstrip("%"), condition.group(1)))
           continue  # its body's count is resolved after parsing
         unknown += 1
+    if opcode == "conditional":
+      branches = [c for target in _BRANCH.findall(op_text)
+                  for c in re.findall(r"[\w.\-]+", target.replace("%", " "))]
+      if branches:
+        current.choices.append(branches)
     for kind, target in _CALLEE.findall(op_text):
       # A while's condition does no matmuls; its body runs `times` times.
       for callee in re.findall(r"[\w.\-]+", target.replace("%", " ")):
@@ -175,7 +187,8 @@ def count(hlo_text: str) -> HloFlops:
     if name not in memo:
       comp = computations.get(name)
       memo[name] = 0.0 if comp is None else comp.dot_flops + sum(
-          times * total(callee) for callee, times in comp.calls)
+          times * total(callee) for callee, times in comp.calls) + sum(
+              max(total(branch) for branch in branches) for branches in comp.choices)
     return memo[name]
 
   return HloFlops(flops=total(entry) if entry else 0.0, loops=loops,

@@ -96,6 +96,13 @@ def modelled_model_config(config, backend: str, platform: str) -> tuple[ModelCon
   attention is compiled or modelled."""
   cfg = ModelConfig.from_config(config, platform=platform)
   impl = config.attention.impl
+  if config.mesh.context > 1:
+    # Context parallelism runs its own attention (jaxtrain.context_attention) whatever the impl.
+    note = (f"context parallel over {config.mesh.context} devices "
+            f"({config.attention.context_parallel}, "
+            f"{'load-balanced' if config.attention.load_balance else 'contiguous'}): exact jnp "
+            f"tiles, compiled for {backend.upper()}")
+    return dataclasses.replace(cfg, platform=backend), note
   resolved = {"gpu": "cudnn", "tpu": "pallas"}.get(platform, "xla") if impl == "auto" else impl
   shown = f"{impl!r}" + (f" ({resolved})" if impl == "auto" else "")
   if backend == "cpu" and platform != "cpu" and resolved != "xla":
