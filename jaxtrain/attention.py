@@ -122,6 +122,18 @@ def pallas_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True
                        out_specs=q_spec, check_vma=False)(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT)
 
 
+def context_kernel_platform(impl: str, platform: str, interpret: bool = False) -> str | None:
+  """Where context-parallel attention runs our Pallas kernels per chunk pair: "gpu" for a fused
+  impl on GPU (cuDNN has no per-chunk log-sum-exp to merge, so `cudnn` and `auto` take our
+  kernels too) or for `pallas` in the interpreter; None: the jnp tiles (CPU, and TPU, whose
+  splash kernel takes no external log-sum-exp in its backward)."""
+  if impl in ("pallas", "cudnn") and platform == "gpu":
+    return "gpu"
+  if impl == "pallas" and interpret and platform != "tpu":
+    return "gpu"
+  return None
+
+
 def attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, impl="xla", causal=True,
               sm_scale=None, platform=None, interpret=False, block_q=None, block_k=None,
               context_parallel="all_gather", load_balance=True):
@@ -131,13 +143,16 @@ def attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, impl="xla", causal
   mesh's); it resolves `auto` and picks the kernels' route. `interpret`, `block_q` and `block_k`
   apply to `pallas` only. Under a mesh whose `context` axis is > 1 the sequence is split over it
   (in the layout `load_balance` names) and `context_parallel` says how attention crosses the
-  split (jaxtrain.context_attention: exact tiles in jnp on every platform).
+  split (jaxtrain.context_attention: our Pallas kernels per chunk pair on GPU, exact jnp tiles
+  elsewhere).
   """
   platform = platform or current_platform()
   impl = resolve_impl(impl, platform, interpret=interpret)
   if context_size() > 1:
     return context_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, strategy=context_parallel,
-                             balanced=load_balance, causal=causal, sm_scale=sm_scale)
+                             balanced=load_balance, causal=causal, sm_scale=sm_scale,
+                             kernel_platform=context_kernel_platform(impl, platform, interpret),
+                             interpret=interpret, block_q=block_q, block_k=block_k)
   if impl == "pallas":
     return pallas_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, causal=causal,
                             sm_scale=sm_scale, interpret=interpret, block_q=block_q,

@@ -14,7 +14,8 @@ context_parallel: contiguous parts, or the load-balanced dual chunk swap). Two s
   end.
 
 Both compute tiles of attention_tiles, which skip tiles above the causal diagonal; with the
-load-balanced layout every device then does the same work. Shapes: q_BTHE, k_BTKE, v_BTKE are
+load-balanced layout every device then does the same work. With `kernels` (GPU: our Pallas
+flash-attention kernels, jaxtrain.context_kernels) they call a kernel per pair of chunks instead. Shapes: q_BTHE, k_BTKE, v_BTKE are
 the global arrays (T the whole sequence); inside shard_map `_l` marks a device's local part.
 """
 
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import attention_tiles as tiles
+from jaxtrain import context_kernels as ck
 from jaxtrain.context_parallel import STRATEGIES, context_size, global_positions
 from jaxtrain.mesh import logical_to_spec
 
@@ -35,10 +37,15 @@ AXIS = "context"
 
 def context_attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT=None, *, strategy: str = "all_gather",
                       balanced: bool = True, causal: bool = True, sm_scale=None,
-                      tile: int = tiles.DEFAULT_TILE):
+                      tile: int = tiles.DEFAULT_TILE, kernel_platform: str | None = None,
+                      interpret: bool = False, block_q=None, block_k=None):
   """Causal attention within segments, the sequence split over the current mesh's `context`
   axis (in the layout `balanced` names); the same result as attention.xla_attention applied to
-  the sequence in its original order."""
+  the sequence in its original order.
+
+  `kernel_platform="gpu"` runs our Pallas kernels per chunk pair (`interpret`: in the Pallas
+  interpreter, any backend; `block_q`/`block_k`: their blocks); None: the jnp tiles.
+  """
   if strategy not in STRATEGIES:
     raise ValueError(f"attention.context_parallel={strategy!r}: choose one of "
                      f"{', '.join(STRATEGIES)}")
@@ -51,7 +58,17 @@ def context_attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT=None, *, strategy: 
   positions_CL = global_positions(t, shards, balanced)
   local = t // shards
   tile = tiles.fit_tile(tile, local)
-  if strategy == "all_gather":
+  kernels = None
+  if kernel_platform is not None and causal:
+    chunks_Cn = ck.chunk_table(shards, balanced)
+    kernels = ck.kernels_for(e, local // chunks_Cn.shape[1], sm_scale, platform=kernel_platform,
+                             interpret=interpret, block_q=block_q, block_k=block_k)
+  if kernels is not None and strategy == "all_gather":
+    fn = functools.partial(_all_gather_kernels_local, chunks_Cn=chunks_Cn, kernels=kernels)
+  elif kernels is not None:
+    fn = functools.partial(_ring_kernels_local, chunks_Cn=chunks_Cn, shards=shards,
+                           kernels=kernels)
+  elif strategy == "all_gather":
     fn = functools.partial(_all_gather_local, positions_CL=positions_CL, causal=causal,
                            sm_scale=sm_scale, tile=tile)
   else:
@@ -136,3 +153,83 @@ def _ring_bwd(shards, causal, sm_scale, tile, residuals, dout_BLHE):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd, optimize_remat=True)
+
+
+# ----------------------------------------------------------------- Pallas kernels per chunk pair
+
+
+def _all_gather_kernels_local(q_BLHE, k_BLKE, v_BLKE, seg_BL, *, chunks_Cn, kernels):
+  gather = lambda x: jax.lax.all_gather(x, AXIS, axis=1, tiled=True)
+  table = jnp.asarray(chunks_Cn)
+  return _kernel_attention(q_BLHE, gather(k_BLKE), gather(v_BLKE), seg_BL, gather(seg_BL),
+                           table[jax.lax.axis_index(AXIS)], table.reshape(-1), kernels)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _kernel_attention(q_BLHE, k_BSKE, v_BSKE, qseg_BL, kseg_BS, my_chunks, their_chunks, kernels):
+  return _kernel_attention_fwd(q_BLHE, k_BSKE, v_BSKE, qseg_BL, kseg_BS, my_chunks, their_chunks,
+                               kernels)[0]
+
+
+def _kernel_attention_fwd(q_BLHE, k_BSKE, v_BSKE, qseg_BL, kseg_BS, my_chunks, their_chunks,
+                          kernels):
+  acc = ck.absorb(kernels, ck.empty(q_BLHE, my_chunks.shape[0]), q_BLHE, qseg_BL, my_chunks,
+                  k_BSKE, v_BSKE, kseg_BS, their_chunks)
+  out_BLHE, lses = ck.finish(acc, q_BLHE.dtype)
+  return out_BLHE, (q_BLHE, k_BSKE, v_BSKE, qseg_BL, kseg_BS, my_chunks, their_chunks, out_BLHE,
+                    lses)
+
+
+def _kernel_attention_bwd(kernels, residuals, dout_BLHE):
+  q_BLHE, k_BSKE, v_BSKE, qseg_BL, kseg_BS, my_chunks, their_chunks, out_BLHE, lses = residuals
+  dq, dk, dv = ck.gradients(kernels, q_BLHE, qseg_BL, my_chunks, out_BLHE, lses, dout_BLHE,
+                            k_BSKE, v_BSKE, kseg_BS, their_chunks)
+  return (dq.astype(q_BLHE.dtype), dk.astype(k_BSKE.dtype), dv.astype(v_BSKE.dtype), None, None,
+          None, None)
+
+
+_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd, optimize_remat=True)
+
+
+def _ring_kernels_local(q_BLHE, k_BLKE, v_BLKE, seg_BL, *, chunks_Cn, shards, kernels):
+  return _kernel_ring(q_BLHE, k_BLKE, v_BLKE, seg_BL, jnp.asarray(chunks_Cn), shards, kernels)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _kernel_ring(q_BLHE, k_BLKE, v_BLKE, seg_BL, table_Cn, shards, kernels):
+  return _kernel_ring_fwd(q_BLHE, k_BLKE, v_BLKE, seg_BL, table_Cn, shards, kernels)[0]
+
+
+def _kernel_ring_fwd(q_BLHE, k_BLKE, v_BLKE, seg_BL, table_Cn, shards, kernels):
+  me = jax.lax.axis_index(AXIS)
+  acc = ck.empty(q_BLHE, table_Cn.shape[1])
+  k, v, kseg = k_BLKE, v_BLKE, seg_BL
+  for step in range(shards):
+    acc = ck.absorb(kernels, acc, q_BLHE, seg_BL, table_Cn[me], k, v, kseg,
+                    table_Cn[(me - step) % shards])
+    if step < shards - 1:
+      k, v, kseg = _send_on((k, v, kseg), shards)
+  out_BLHE, lses = ck.finish(acc, q_BLHE.dtype)
+  return out_BLHE, (q_BLHE, k_BLKE, v_BLKE, seg_BL, table_Cn, out_BLHE, lses)
+
+
+def _kernel_ring_bwd(shards, kernels, residuals, dout_BLHE):
+  q_BLHE, k_BLKE, v_BLKE, seg_BL, table_Cn, out_BLHE, lses = residuals
+  me = jax.lax.axis_index(AXIS)
+  dq = jnp.zeros(q_BLHE.shape, jnp.float32)
+  dk = jnp.zeros(k_BLKE.shape, jnp.float32)
+  dv = jnp.zeros(v_BLKE.shape, jnp.float32)
+  k, v, kseg = k_BLKE, v_BLKE, seg_BL
+  for step in range(shards):
+    dq_part, dk_part, dv_part = ck.gradients(kernels, q_BLHE, seg_BL, table_Cn[me], out_BLHE,
+                                             lses, dout_BLHE, k, v, kseg,
+                                             table_Cn[(me - step) % shards])
+    dq, dk, dv = dq + dq_part, dk + dk_part, dv + dv_part
+    if step < shards - 1:
+      k, v, kseg, dk, dv = _send_on((k, v, kseg, dk, dv), shards)
+  dk, dv = _send_on((dk, dv), shards)  # home, as in _ring_bwd
+  return (dq.astype(q_BLHE.dtype), dk.astype(k_BLKE.dtype), dv.astype(v_BLKE.dtype), None,
+          None)
+
+
+_kernel_ring.defvjp(_kernel_ring_fwd, _kernel_ring_bwd, optimize_remat=True)

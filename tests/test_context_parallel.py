@@ -4,6 +4,7 @@ step, checkpoints across meshes, and the config errors."""
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,8 @@ from jaxtrain import attention, context_parallel as cp, train_setup, trainer
 from jaxtrain.config import ConfigError
 from jaxtrain.config_checks import validate
 from jaxtrain.context_attention import context_attention
-from jaxtrain.dryrun.measure import compile_setup
+from jaxtrain.dryrun import targets
+from jaxtrain.dryrun.measure import compile_setup, compile_step
 from tests.helpers import mesh_of, packed_batch, run_main, small_config
 
 
@@ -89,6 +91,49 @@ def test_context_attention_equals_reference_forward_and_gradients(qkv, shape, st
   np.testing.assert_allclose(out, ref_out, atol=2e-6)
   for got, want in zip(grads, ref_vjp(dout)):
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy,shape", [("ring", {"context": 4, "fsdp": 2}),
+                                            ("all_gather", {"context": 2, "data": 2,
+                                                            "tensor": 2})])
+def test_pallas_kernels_per_chunk_pair_equal_reference(qkv, strategy, shape):
+  """The GPU route (our flash kernels per chunk pair, merged by log-sum-exp), run in the Pallas
+  interpreter."""
+  q, k, v, seg, dout = qkv
+  ref_out, ref_vjp = jax.vjp(lambda q, k, v: attention.xla_attention(q, k, v, seg), q, k, v)
+  perm = cp.layout_permutation(T, shape["context"], True)
+  inverse = np.argsort(perm)
+
+  def split(q, k, v):
+    return attention.attention(q[:, perm], k[:, perm], v[:, perm], seg[:, perm], impl="pallas",
+                               interpret=True, platform="cpu",
+                               context_parallel=strategy)[:, inverse]
+
+  with jax.set_mesh(mesh_of(shape)):
+    out, vjp = jax.vjp(jax.jit(split), q, k, v)
+    grads = vjp(dout)
+  np.testing.assert_allclose(out, ref_out, atol=2e-6)
+  for got, want in zip(grads, ref_vjp(dout)):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy,collective", [("ring", "collective-permute"),
+                                                 ("all_gather", "all-gather")])
+def test_h100_step_runs_our_kernels_per_chunk_pair(strategy, collective):
+  target = targets.parse("h100x8")
+  missing = targets.compiler_missing(target)
+  if missing is not None:
+    pytest.skip(f"no deviceless compiler for h100x8: {missing}")
+  config = _config(4, strategy, fsdp=2)
+  config.target, config.attention.impl = "h100x8", "auto"
+  config.train.seq_len = 256
+  compiled, setup, _, _, note, _ = compile_step(config, targets.devices(target))
+  hlo = compiled.as_text()
+  triton = re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton', hlo)
+  assert len(triton) >= 2, note  # forward and backward kernels
+  assert collective in hlo and "__cudnn$fmha" not in hlo
+  assert "our Pallas kernels per chunk pair" in note
+  assert setup.model_cfg.platform == "gpu"
 
 
 def test_tiles_above_the_causal_diagonal_are_skipped():

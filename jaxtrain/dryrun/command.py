@@ -250,7 +250,10 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
       f"{aot.analytic_tokens_per_step(config):,} tokens"
       + (" × 4/3 (DPO: the reference's forward)" if t.objective == "dpo" else ""),
       f"  compiled / analytic {m.flops * n / analytic:.2f}: remat recompute"
-      + ("; context-parallel attention tiles counted as if none were skipped"
+      + ("; attention kernels' matmuls are not HLO dots"
+         if config.mesh.context > 1 and "Pallas kernels" in m.attention_note and
+         m.backend != "cpu" else
+         "; context-parallel attention tiles counted as if none were skipped"
          if config.mesh.context > 1 else
          "; blockwise attention computes masked blocks too" if cfg.attention_impl ==
          "blockwise" else "; attention kernels' matmuls are not HLO dots"

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import dpo, metrics, train_setup
+from jaxtrain.attention import context_kernel_platform
 from jaxtrain.config_checks import validate
 from jaxtrain.dryrun import hlo_flops
 from jaxtrain.mesh import MeshShape, batch_sharding, make_mesh, platform_of_backend
@@ -96,15 +97,21 @@ def modelled_model_config(config, backend: str, platform: str) -> tuple[ModelCon
   attention is compiled or modelled."""
   cfg = ModelConfig.from_config(config, platform=platform)
   impl = config.attention.impl
-  if config.mesh.context > 1:
-    # Context parallelism runs its own attention (jaxtrain.context_attention) whatever the impl.
-    note = (f"context parallel over {config.mesh.context} devices "
-            f"({config.attention.context_parallel}, "
-            f"{'load-balanced' if config.attention.load_balance else 'contiguous'}): exact jnp "
-            f"tiles, compiled for {backend.upper()}")
-    return dataclasses.replace(cfg, platform=backend), note
   resolved = {"gpu": "cudnn", "tpu": "pallas"}.get(platform, "xla") if impl == "auto" else impl
   shown = f"{impl!r}" + (f" ({resolved})" if impl == "auto" else "")
+  if config.mesh.context > 1:
+    # Context parallelism runs its own attention (jaxtrain.context_attention).
+    how = (f"context parallel over {config.mesh.context} devices "
+           f"({config.attention.context_parallel}, "
+           f"{'load-balanced' if config.attention.load_balance else 'contiguous'})")
+    kernels = context_kernel_platform(resolved, platform, config.attention.interpret)
+    if backend == "cpu" and platform != "cpu":
+      note = (f"{how}: " + ("our Pallas kernels per chunk pair on GPU, " if kernels else "")
+              + "modelled by the exact jnp tiles")
+      return dataclasses.replace(cfg, attention_impl="xla", platform="cpu"), note
+    what = "our Pallas kernels per chunk pair" if kernels else "exact jnp tiles"
+    return dataclasses.replace(cfg, platform=backend), f"{how}: {what}, compiled for " \
+        f"{backend.upper()}"
   if backend == "cpu" and platform != "cpu" and resolved != "xla":
     note = (f"attention.impl={shown}: a fused kernel on {platform.upper()}; modelled by "
             f"blockwise (flash-style) jnp attention, which has its memory profile")
