@@ -203,6 +203,13 @@ def test_training_losses_equal_one_device(one_device_losses, strategy, shape):
   np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)
 
 
+def test_gradient_accumulation_under_context_equals_one_device(one_device_losses):
+  config = _config(4, "ring", fsdp=2)
+  config.train.grad_accum_steps = 2
+  np.testing.assert_allclose(_losses(config, {"context": 4, "fsdp": 2}), one_device_losses,
+                             rtol=1e-5)
+
+
 def test_unbalanced_layout_trains_the_same(one_device_losses):
   config = _config(4, "ring", fsdp=2)
   config.attention.load_balance = False

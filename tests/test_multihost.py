@@ -410,3 +410,27 @@ def test_config_error_names_process_and_host_and_the_launcher_fails(tmp_path):
   assert f"process 0/2 on {host}: config error: mesh.dcn_data=4" in proc.stdout
   assert f"[process 1] process 1/2 on {host}: config error: mesh.dcn_data=4" in proc.stdout
   assert "local_multiprocess: process 0 exited with status 2" in proc.stdout
+
+
+@pytest.mark.slow
+def test_context_parallel_across_two_processes_matches_one(tmp_path):
+  """2 processes x 4 CPU devices: data spans the processes (dcn_data=2) and each process holds
+  a context=2 x fsdp=2 group, so the ring stays within a process; the losses equal one process
+  with the same mesh."""
+  args = [*SMALL, "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.context=2",
+          "--config.mesh.tensor=1", "--config.attention.context_parallel=ring",
+          "--config.data.num_shards=2", "--config.train.log_every=1", "--config.train.steps=3",
+          "--config.train.eval_every=3", "--config.optim.warmup_steps=2"]
+  one = subprocess.Popen(_main(tmp_path / "one", *args), cwd=REPO, env=_env(8),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  two = subprocess.Popen(_local(2, tmp_path / "two", *args, "--config.mesh.dcn_data=2"),
+                         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+  out_two = _finish(two)
+  _finish(one)
+  assert "8 × cpu (2 process(es))" in out_two and "context=2" in out_two
+  want, _ = _records(tmp_path / "one")
+  got, _ = _records(tmp_path / "two")
+  assert sorted(got) == sorted(want) == [1, 2, 3]
+  np.testing.assert_allclose([got[s] for s in (1, 2, 3)], [want[s] for s in (1, 2, 3)],
+                             rtol=1e-5)
