@@ -82,8 +82,9 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
                 f"K={model_cfg.num_kv_heads} E={model_cfg.head_dim} F={model_cfg.mlp_dim} "
                 f"V={model_cfg.vocab_size}"),
       ("global batch", f"{t.global_batch_size} seq × {t.seq_len} = {tokens:,} tokens"),
-      ("per-device batch", f"{per_device:g} seq = "
-                           f"{per_device * t.seq_len / mesh_shape.context:,.0f} tokens "
+      ("per-device batch", f"{per_device:g} seq"
+                           + (f" × 1/{mesh_shape.context} each" if mesh_shape.context > 1 else "")
+                           + f" = {per_device * t.seq_len / mesh_shape.context:,.0f} tokens "
                            f"(grad accum {t.grad_accum_steps})"),
   ]
   if mesh_shape.context > 1:
