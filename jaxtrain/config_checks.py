@@ -58,13 +58,15 @@ def _check_context(config, mesh: MeshShape):
   parts = 2 * shards if a.load_balance else shards
   if length % parts:
     row = (f"a DPO row (train.seq_len + 1 = {length} tokens)" if t.objective == "dpo"
-           else f"train.seq_len={t.seq_len}")
+           else f"a sequence of {length} tokens")
     how = (f"2*mesh.context = {parts} chunks (the load-balanced layout: device i holds chunks i "
            f"and {parts - 1}-i)" if a.load_balance else f"mesh.context = {parts} parts")
     fix = (length // parts) * parts - (1 if t.objective == "dpo" else 0)
     fix = fix if fix > 0 else parts - (1 if t.objective == "dpo" else 0)
+    other = (", or attention.load_balance=False (contiguous parts, slower causal attention)"
+             if a.load_balance and length % shards == 0 else "")
     raise ConfigError(f"train.seq_len={t.seq_len}: {row} does not split into {how}; use "
-                      f"train.seq_len={fix}, or a mesh.context that divides it")
+                      f"train.seq_len={fix}{other}")
 
 
 def _positive(config, key: str):
