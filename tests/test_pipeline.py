@@ -1,0 +1,109 @@
+"""The pipeline schedule on 8 CPU devices: outputs and gradients equal running every layer in
+order, for plain and circular schedules; distinct microbatches; the scan length; the
+collective-permutes over `stage`; the layer order of `to_stages`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jaxtrain import pipeline as pp
+
+D, L = 16, 8
+
+
+def _layer(w, b, x, pos):
+  return jnp.tanh(x @ w + b + 0.01 * pos[..., None])
+
+
+def _stage_fn(layers, x, carried):
+  def body(x, wb):
+    return _layer(*wb, x, carried["positions"]), None
+  return jax.lax.scan(body, x, (layers["w"], layers["b"]))[0]
+
+
+def _sequential(layers, x_M, pos_M):
+  """Every microbatch through all L layers in the model's order: the reference."""
+  def one(x, pos):
+    for l in range(L):
+      x = _layer(layers["w"][l], layers["b"][l], x, pos)
+    return x
+  return jax.vmap(one)(x_M, pos_M)
+
+
+def _inputs(microbatches):
+  rng = np.random.default_rng(0)
+  layers = {"w": jnp.asarray(rng.normal(size=(L, D, D)) / np.sqrt(D), jnp.float32),
+            "b": jnp.asarray(rng.normal(size=(L, D)) * 0.1, jnp.float32)}
+  # Every microbatch distinct, so a schedule that mixes them up shows.
+  x_M = jnp.asarray(rng.normal(size=(microbatches, 2, 3, D)), jnp.float32)
+  pos_M = jnp.asarray(rng.integers(0, 50, size=(microbatches, 2, 3)), jnp.int32)
+  return layers, x_M, pos_M
+
+
+def _mesh(stages):
+  return jax.make_mesh((stages, 8 // stages), ("stage", "data"),
+                       axis_types=(AxisType.Auto,) * 2)
+
+
+@pytest.mark.parametrize("stages,microbatches,repeats", [(2, 4, 1), (2, 4, 2), (4, 8, 1),
+                                                         (4, 4, 2), (1, 2, 1)])
+def test_pipeline_equals_the_layers_in_order_with_gradients(stages, microbatches, repeats):
+  layers, x_M, pos_M = _inputs(microbatches)
+  mesh = _mesh(stages)
+
+  def piped(layers, x_M):
+    stage_layers = pp.to_stages(layers, stages, repeats)
+    stage_layers = jax.tree.map(
+        lambda p: jax.lax.with_sharding_constraint(p, NamedSharding(mesh, P("stage"))),
+        stage_layers)
+    return pp.pipeline(_stage_fn, stage_layers, x_M, {"positions": pos_M}, repeats=repeats)
+
+  def loss(fn):
+    return lambda layers, x_M: jnp.sum(jnp.sin(fn(layers, x_M)))
+
+  want = _sequential(layers, x_M, pos_M)
+  want_grads = jax.grad(loss(lambda p, x: _sequential(p, x, pos_M)), argnums=(0, 1))(layers, x_M)
+  with jax.set_mesh(mesh):
+    got = jax.jit(piped)(layers, x_M)
+    grads = jax.jit(jax.grad(loss(piped), argnums=(0, 1)))(layers, x_M)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_scan_length_is_m_times_r_plus_s_minus_1():
+  layers, x_M, pos_M = _inputs(4)
+  jaxpr = jax.make_jaxpr(lambda l, x: pp.pipeline(_stage_fn, pp.to_stages(l, 2, 2), x,
+                                                  {"positions": pos_M}, repeats=2))(layers, x_M)
+  lengths = [e.params["length"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+  assert lengths == [pp.iterations(2, 4, 2)] == [4 * 2 + 2 - 1]
+
+
+def test_compiled_pipeline_passes_activations_with_collective_permutes():
+  layers, x_M, pos_M = _inputs(4)
+  mesh = _mesh(2)
+  with jax.set_mesh(mesh):
+    stage_layers = jax.device_put(pp.to_stages(layers, 2, 1), NamedSharding(mesh, P("stage")))
+    hlo = jax.jit(lambda l, x: pp.pipeline(_stage_fn, l, x, {"positions": pos_M})).lower(
+        stage_layers, x_M).compile().as_text()
+  assert "collective-permute" in hlo
+
+
+def test_to_stages_gives_stage_s_pass_r_the_group_r_times_s_plus_s():
+  layers = {"w": jnp.arange(12)}
+  staged = pp.to_stages(layers, stages=2, repeats=3)["w"]  # 6 groups of 2 layers
+  assert staged.shape == (2, 3, 2)
+  assert staged[1, 2].tolist() == [10, 11]  # group 2*2+1 = 5
+  assert staged[0, 1].tolist() == [4, 5]  # group 1*2+0 = 2
+  np.testing.assert_array_equal(pp.from_stages({"w": staged})["w"], layers["w"])
+
+
+def test_bubble_and_bad_schedules():
+  assert pp.bubble_fraction(4, 8) == pytest.approx(3 / 11)
+  assert pp.bubble_fraction(4, 8, repeats=2) == pytest.approx(3 / 19)
+  with pytest.raises(ValueError, match="8 layers do not split into stages\\*repeats = 3\\*1"):
+    pp.check_schedule(8, 3, 6)
+  with pytest.raises(ValueError, match="6 microbatches are not a multiple of the 4 stages"):
+    pp.check_schedule(8, 4, 6)
