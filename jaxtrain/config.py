@@ -92,6 +92,9 @@ def default_config() -> ml_collections.ConfigDict:
   # the weights are sharded over them as over fsdp (attention.context_parallel says how
   # attention crosses the split). Stays within a host group, like tensor.
   c.mesh.context = 1
+  # Pipeline parallelism: the stacked layers are split into this many stages, one group of
+  # devices each; activations pass from stage to stage (see c.pipeline, docs/parallelism.md).
+  c.mesh.stage = 1
   c.mesh.tensor = 1
   # Multi-host: how many groups of hosts (TPU slices, else processes) the data and fsdp axes
   # span over the data-center network; each group holds mesh.data/dcn_data x
@@ -99,6 +102,15 @@ def default_config() -> ml_collections.ConfigDict:
   # run without slices: one flat mesh over all devices.
   c.mesh.dcn_data = 1
   c.mesh.dcn_fsdp = 1
+
+  c.pipeline = ml_collections.ConfigDict()
+  # With mesh.stage > 1: microbatches per pipeline pass (a multiple of mesh.stage; 0: mesh.stage).
+  # Each gradient-accumulation microbatch is split into this many; the idle share of the stages
+  # (the bubble) is (S-1)/(R*M+S-1).
+  c.pipeline.microbatches = 0
+  # Circular schedule: each stage holds this many non-contiguous groups of layers and the
+  # microbatches go around the stages this many times (smaller bubble, more transfers).
+  c.pipeline.repeats = 1
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 1000

@@ -69,6 +69,42 @@ def _check_context(config, mesh: MeshShape):
                       f"train.seq_len={fix}{other}")
 
 
+def _check_pipeline(config, mesh: MeshShape):
+  """mesh.stage and pipeline.* against the layers and the batch (jaxtrain.pipeline)."""
+  p, m, t = config.pipeline, config.model, config.train
+  if p.repeats < 1:
+    raise ConfigError(f"pipeline.repeats={p.repeats}: must be >= 1 (1: no circular schedule)")
+  if p.microbatches < 0:
+    raise ConfigError(f"pipeline.microbatches={p.microbatches}: must be >= 0 (0: as many as "
+                      f"mesh.stage)")
+  stages = mesh.stage
+  if stages == 1:
+    return
+  if not m.scan_layers:
+    raise ConfigError("model.scan_layers=False: pipeline stages (mesh.stage > 1) split the "
+                      "stacked layers; set model.scan_layers=True")
+  if mesh.context > 1:
+    raise ConfigError(f"mesh.stage={stages} with mesh.context={mesh.context}: pipeline stages "
+                      f"and context parallelism do not combine yet; use one of them")
+  groups = stages * p.repeats
+  if m.num_layers % groups:
+    raise ConfigError(f"model.num_layers={m.num_layers}: does not split into mesh.stage*"
+                      f"pipeline.repeats={stages}*{p.repeats}={groups} equal groups of layers; "
+                      f"choose a stage count and repeats whose product divides it")
+  micro = p.microbatches or stages
+  if micro % stages:
+    raise ConfigError(f"pipeline.microbatches={micro}: must be a multiple of mesh.stage="
+                      f"{stages} (every stage needs a microbatch in flight); use "
+                      f"{max(stages, micro // stages * stages)}")
+  rows = mesh.batch_shards * t.grad_accum_steps * micro
+  if t.global_batch_size % rows:
+    raise ConfigError(f"train.global_batch_size={t.global_batch_size}: must be divisible by "
+                      f"mesh.data*mesh.fsdp*train.grad_accum_steps*pipeline.microbatches="
+                      f"{mesh.data}*{mesh.fsdp}*{t.grad_accum_steps}*{micro}={rows} (each "
+                      f"pipeline microbatch needs rows on every data-parallel device); use a "
+                      f"multiple of {rows}")
+
+
 def _positive(config, key: str):
   node = config
   for part in key.split("."):
@@ -153,6 +189,7 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
   except ValueError as e:
     raise ConfigError(str(e)) from None
   _check_context(config, mesh)
+  _check_pipeline(config, mesh)
 
   t = config.train
   per_step = mesh.batch_shards * t.grad_accum_steps

@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")
+MESH_AXES = ("data", "stage", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated). Every logical name used by
@@ -34,7 +34,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("norm", None),
-    ("layers", None),
+    # Pipeline stages: each holds a contiguous group of the stacked layers (jaxtrain.pipeline).
+    ("layers", "stage"),
     ("lora_rank", None),  # LoRA adapters: the rank dim is small; shard only their I/O dims
     # activations: the batch is split over every data-parallel axis and the sequence over
     # `context`; the model dim is whole on each device between layers (fsdp gathers weights,
@@ -86,7 +87,7 @@ class MeshShape:
     return tuple(zip(MESH_AXES, self._sizes))
 
   def describe(self) -> str:
-    """"data=1 fsdp=8 context=1 tensor=1": for run tables and messages."""
+    """"data=1 stage=1 fsdp=8 context=1 tensor=1": for run tables and messages."""
     return " ".join(f"{a}={s}" for a, s in self.items())
 
   @property

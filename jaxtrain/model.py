@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain import attention as attention_lib
 from jaxtrain import context_parallel
+from jaxtrain import pipeline as pipeline_lib
 from jaxtrain.config import lora_targets as config_lora_targets, resolve_compute_dtype
 from jaxtrain.mesh import platform_of_backend, shard
 from jaxtrain.peft import lora as lora_lib
@@ -58,6 +59,10 @@ class ModelConfig:
   # the split sequence, and whether the sequence is in the load-balanced layout.
   context_parallel: str = "all_gather"
   context_load_balance: bool = True
+  # Under a mesh with a `stage` axis > 1 (jaxtrain.pipeline): microbatches per pass (0: as many
+  # as stages) and circular repeats.
+  pipeline_microbatches: int = 0
+  pipeline_repeats: int = 1
   param_dtype: str = "float32"
   dtype: str = "float32"
   # LoRA / QLoRA (the run config's `lora` group; rank 0 = the plain model, bit for bit).
@@ -106,6 +111,8 @@ class ModelConfig:
                attention_blocks=(config.attention.block_q, config.attention.block_k),
                context_parallel=config.attention.context_parallel,
                context_load_balance=bool(config.attention.load_balance),
+               pipeline_microbatches=config.pipeline.microbatches,
+               pipeline_repeats=config.pipeline.repeats,
                param_dtype=m.param_dtype,
                dtype=resolve_compute_dtype(m.dtype, platform),
                explicit_transpose_for_dw=platform == "cpu", platform=platform, **lora)
@@ -363,7 +370,10 @@ class Llama(nnx.Module):
     if policy_name != "none":
       block_fn = nnx.remat(block_fn, policy=remat_policy(policy_name),
                            prevent_cse=not cfg.scan_layers)
-    if cfg.scan_layers:
+    stages = pipeline_lib.stage_count()
+    if stages > 1:
+      x_BTD = self._pipelined(x_BTD, positions_BT, segment_ids_BT, layer_keys, stages)
+    elif cfg.scan_layers:
       # The layer keys are scanned over with the layers (None: nothing to scan).
       @nnx.scan(in_axes=(nnx.Carry, 0, None if layer_keys is None else 0), out_axes=nnx.Carry,
                 transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -374,6 +384,44 @@ class Llama(nnx.Module):
       for i, block in enumerate(self.layers):
         x_BTD = block_fn(block, x_BTD, None if layer_keys is None else layer_keys[i])
     return self.final_norm(x_BTD)
+
+  def _pipelined(self, x_BTD, positions_BT, segment_ids_BT, layer_keys, stages: int):
+    """The layers as pipeline stages over the mesh's `stage` axis (jaxtrain.pipeline): the batch
+    is cut into microbatches (strided, so each spans every data-parallel device), which flow
+    through the stages; the result is the same as the plain scan's."""
+    cfg = self.cfg
+    if not cfg.scan_layers:
+      raise ValueError("pipeline stages need model.scan_layers=True (stacked layers)")
+    m = cfg.pipeline_microbatches or stages
+    b = x_BTD.shape[0]
+    graphdef, state = nnx.split(self.layers)
+    policy = remat_policy(cfg.remat_policy) if cfg.remat_policy != "none" else None
+
+    def layer(x_BTD, layer_state, carried):
+      block = nnx.merge(graphdef, layer_state)
+      return block(x_BTD, carried["positions"], carried["segment_ids"], carried.get("key"))
+    if cfg.remat_policy != "none":
+      layer = jax.checkpoint(layer, policy=policy)
+
+    def stage_fn(layers, x_BTD, carried):
+      def body(x_BTD, xs):
+        layer_state, key = xs
+        return layer(x_BTD, layer_state, {**carried, "key": key}), None
+      return jax.lax.scan(body, x_BTD, (layers["state"], layers.get("__keys__")))[0]
+
+    def to_microbatches(x):  # [B, ...] -> [M, B/M, ...], microbatch i = rows i, i+M, ...
+      return x.reshape(b // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+    stacked = {"state": state}
+    if layer_keys is not None:
+      stacked["__keys__"] = layer_keys
+    stage_layers = pipeline_lib.to_stages(stacked, stages, cfg.pipeline_repeats)
+    carried = {"positions": to_microbatches(positions_BT),
+               "segment_ids": (None if segment_ids_BT is None
+                               else to_microbatches(segment_ids_BT))}
+    out_M = pipeline_lib.pipeline(stage_fn, stage_layers, to_microbatches(x_BTD), carried,
+                                  repeats=cfg.pipeline_repeats)
+    return out_M.swapaxes(0, 1).reshape(x_BTD.shape)
 
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
                dropout_key=None) -> jax.Array:

@@ -28,6 +28,14 @@ import jax.numpy as jnp
 AXIS = "stage"
 
 
+def stage_count(mesh=None) -> int:
+  """The size of the `stage` axis of `mesh` (default: the current abstract mesh); 1 without."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  if mesh.empty or AXIS not in mesh.axis_names:
+    return 1
+  return int(mesh.shape[AXIS])
+
+
 def iterations(stages: int, microbatches: int, repeats: int = 1) -> int:
   """Scan length of the schedule: every microbatch's R passes, plus the pipeline's fill."""
   return microbatches * repeats + stages - 1

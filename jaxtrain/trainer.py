@@ -87,6 +87,15 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
                            + f" = {per_device * t.seq_len / mesh_shape.context:,.0f} tokens "
                            f"(grad accum {t.grad_accum_steps})"),
   ]
+  if mesh_shape.stage > 1:
+    from jaxtrain import pipeline  # pylint: disable=import-outside-toplevel
+    stages, repeats = mesh_shape.stage, config.pipeline.repeats
+    micro = config.pipeline.microbatches or stages
+    rows.append(("pipeline", f"{stages} stages × {model_cfg.num_layers // stages} layers each"
+                             f"{f' (in {repeats} groups)' if repeats > 1 else ''}, {micro} "
+                             f"microbatches of {per_device / t.grad_accum_steps / micro:g} seq "
+                             f"per device, bubble "
+                             f"{100 * pipeline.bubble_fraction(stages, micro, repeats):.1f}%"))
   if mesh_shape.context > 1:
     layout = ("load-balanced (device i: chunks i and 2C-1-i)" if model_cfg.context_load_balance
               else "contiguous parts")

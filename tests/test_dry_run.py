@@ -82,7 +82,7 @@ def test_last_line_is_machine_readable_and_params_are_exact(fsdp2):
   text = "\n".join(lines)
   assert "ESTIMATE for accelerators" in text
   assert "compute bfloat16" in text  # model.dtype="auto" modelled as on an accelerator
-  assert "layers.mlp.w_up_DF" in text and "P(None, ('fsdp', 'context'), 'tensor')" in text
+  assert "layers.mlp.w_up_DF" in text and "P('stage', ('fsdp', 'context'), 'tensor')" in text
 
 
 def test_param_bytes_halve_when_fsdp_doubles(fsdp2):

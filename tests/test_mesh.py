@@ -12,7 +12,7 @@ def test_sizes_are_looked_up_by_name_and_unnamed_axes_are_1():
   shape = MeshShape(fsdp=4, tensor=2)
   assert shape["fsdp"] == shape.fsdp == 4 and shape["data"] == 1
   assert shape.items() == tuple((a, {"fsdp": 4, "tensor": 2}.get(a, 1)) for a in MESH_AXES)
-  assert shape.batch_shards == 4 and shape.describe() == "data=1 fsdp=4 context=1 tensor=2"
+  assert shape.batch_shards == 4 and shape.describe() == "data=1 stage=1 fsdp=4 context=1 tensor=2"
   assert MeshShape({"fsdp": 4}, tensor=2) == shape and hash(MeshShape(fsdp=4, tensor=2))
   with pytest.raises(ValueError, match="unknown mesh axes"):
     MeshShape(pipeline=2)
@@ -46,7 +46,7 @@ def test_divisibility_rules_come_from_the_sharding_table():
 
 def test_make_mesh_defaults_to_fsdp_and_keeps_tensor_within_a_host_group():
   mesh = make_mesh(devices=jax.devices()[:4])
-  assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "context": 1, "tensor": 1}
+  assert dict(mesh.shape) == {"data": 1, "stage": 1, "fsdp": 4, "context": 1, "tensor": 1}
   assert mesh.axis_names == MESH_AXES and set(BATCH_AXES) <= set(MESH_AXES)
   with pytest.raises(ValueError, match="may span host groups"):
     make_mesh({"tensor": 8}, dcn={"tensor": 2})

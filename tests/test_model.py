@@ -322,21 +322,22 @@ def test_untied_param_count(base):
 
 MESH_CFG = ModelConfig(vocab_size=128, num_layers=2, d_model=64, num_heads=8, num_kv_heads=4,
                        head_dim=16, mlp_dim=128)
-# Weights named `embed` shard over fsdp and context (mesh.LOGICAL_RULES).
+# Weights named `embed` shard over fsdp and context, stacked layers over stage
+# (mesh.LOGICAL_RULES).
 EMBED = ("fsdp", "context")
 EXPECTED_SPECS = {
     ("embed_VD",): P("tensor", EMBED),
     ("head_DV",): P(EMBED, "tensor"),
     ("final_norm", "scale"): P(None),
-    ("layers", "attn", "wq_DHE"): P(None, EMBED, "tensor", None),
-    ("layers", "attn", "wk_DKE"): P(None, EMBED, "tensor", None),
-    ("layers", "attn", "wv_DKE"): P(None, EMBED, "tensor", None),
-    ("layers", "attn", "wo_HED"): P(None, "tensor", None, EMBED),
-    ("layers", "attn_norm", "scale"): P(None, None),
-    ("layers", "mlp", "w_gate_DF"): P(None, EMBED, "tensor"),
-    ("layers", "mlp", "w_up_DF"): P(None, EMBED, "tensor"),
-    ("layers", "mlp", "w_down_FD"): P(None, "tensor", EMBED),
-    ("layers", "mlp_norm", "scale"): P(None, None),
+    ("layers", "attn", "wq_DHE"): P("stage", EMBED, "tensor", None),
+    ("layers", "attn", "wk_DKE"): P("stage", EMBED, "tensor", None),
+    ("layers", "attn", "wv_DKE"): P("stage", EMBED, "tensor", None),
+    ("layers", "attn", "wo_HED"): P("stage", "tensor", None, EMBED),
+    ("layers", "attn_norm", "scale"): P("stage", None),
+    ("layers", "mlp", "w_gate_DF"): P("stage", EMBED, "tensor"),
+    ("layers", "mlp", "w_up_DF"): P("stage", EMBED, "tensor"),
+    ("layers", "mlp", "w_down_FD"): P("stage", "tensor", EMBED),
+    ("layers", "mlp_norm", "scale"): P("stage", None),
 }
 
 
@@ -373,7 +374,7 @@ def test_params_sharded_by_logical_axes(mesh1):
     want = NamedSharding(mesh, EXPECTED_SPECS[names])
     assert arr.sharding.is_equivalent_to(want, arr.ndim), (names, arr.sharding.spec)
   wq = state["layers"]["attn"]["wq_DHE"][...]
-  assert wq.sharding.spec == P(None, EMBED, "tensor", None)
+  assert wq.sharding.spec == P("stage", EMBED, "tensor", None)
   assert wq.sharding.shard_shape(wq.shape) == (2, 32, 2, 16)
   assert state["embed_VD"][...].sharding.spec == P("tensor", EMBED)
 

@@ -107,3 +107,67 @@ def test_bubble_and_bad_schedules():
     pp.check_schedule(8, 3, 6)
   with pytest.raises(ValueError, match="6 microbatches are not a multiple of the 4 stages"):
     pp.check_schedule(8, 4, 6)
+
+
+# ------------------------------------------------------------------------------ in the trainer
+
+
+def _config(**settings):
+  from tests.helpers import small_config  # pylint: disable=import-outside-toplevel
+  c = small_config()
+  c.model.num_layers = 4
+  for key, value in settings.items():
+    group = c.pipeline if key in ("microbatches", "repeats") else c.mesh
+    group[key] = value
+  return c
+
+
+def _losses(config, shape, steps=3):
+  from jaxtrain import train_setup, trainer  # pylint: disable=import-outside-toplevel
+  from tests.helpers import mesh_of, packed_batch  # pylint: disable=import-outside-toplevel
+  setup = train_setup.build(config, mesh_of(shape))
+  state = train_setup.init_state(setup, seed=0)
+  losses = []
+  with jax.set_mesh(setup.mesh):
+    for step in range(steps):
+      batch = packed_batch(8, config.train.seq_len, 128, seed=step, docs_per_row=3)
+      state, metrics = setup.train_step(state, trainer.to_global_batch(batch, setup.mesh))
+      losses.append(float(metrics["loss"]))
+  return losses
+
+
+@pytest.fixture(scope="module")
+def one_device_losses():
+  return _losses(_config(), (1, 1, 1))
+
+
+@pytest.mark.parametrize("shape,schedule", [
+    ({"stage": 2, "data": 2, "fsdp": 2}, {"microbatches": 4}),
+    ({"stage": 2, "fsdp": 2, "tensor": 2}, {"microbatches": 4, "repeats": 2}),
+    ({"stage": 4, "fsdp": 2}, {"microbatches": 8}),
+])
+def test_pipelined_training_losses_equal_one_device(one_device_losses, shape, schedule):
+  losses = _losses(_config(**shape, **schedule), shape)
+  np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("settings,words", [
+    ({"stage": 3, "fsdp": 1, "microbatches": 3}, ["model.num_layers=4", "mesh.stage*pipeline"
+                                                  ".repeats=3*1=3"]),
+    ({"stage": 2, "fsdp": 4, "microbatches": 3}, ["pipeline.microbatches=3", "multiple of "
+                                                  "mesh.stage=2"]),
+    ({"stage": 2, "fsdp": 4, "microbatches": 4}, ["train.global_batch_size=8",
+                                                  "*pipeline.microbatches=1*4*1*4=16"]),
+    ({"stage": 2, "fsdp": 2, "repeats": 4}, ["model.num_layers=4", "2*4=8"]),
+])
+def test_bad_pipeline_settings_are_one_line_errors(settings, words):
+  from jaxtrain.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from jaxtrain.config_checks import validate  # pylint: disable=import-outside-toplevel
+  config = _config(**settings)
+  devices = config.mesh.stage * config.mesh.fsdp
+  with pytest.raises(ConfigError) as err:
+    validate(config, devices)
+  message = str(err.value)
+  assert "\n" not in message
+  for word in words:
+    assert word in message, (word, message)
