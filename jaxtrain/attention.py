@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxtrain.blockwise_attention import blockwise_attention
 from jaxtrain.context_attention import context_attention
 from jaxtrain.context_parallel import context_size
+from jaxtrain.pipeline import stage_count
 from jaxtrain.mesh import logical_to_spec
 from kernels_pallas.flash_attention import current_platform, flash_attention
 
@@ -148,6 +149,10 @@ def attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, impl="xla", causal
   """
   platform = platform or current_platform()
   impl = resolve_impl(impl, platform, interpret=interpret)
+  if impl == "cudnn" and stage_count() > 1:
+    # Pipeline stages vmap the layers, and JAX's batching rule for cuDNN attention cannot batch
+    # its segment mask ("cannot reshape array of shape (S, B, 1, T, T)"): our kernels instead.
+    impl = "pallas"
   if context_size() > 1:
     return context_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, strategy=context_parallel,
                              balanced=load_balance, causal=causal, sm_scale=sm_scale,

@@ -6,6 +6,7 @@ key, the bad value, and how to fix it (the CLI prints it and exits with code 2).
 
 from __future__ import annotations
 
+import math
 import os
 
 from jaxtrain.dryrun import targets
@@ -96,13 +97,19 @@ def _check_pipeline(config, mesh: MeshShape):
     raise ConfigError(f"pipeline.microbatches={micro}: must be a multiple of mesh.stage="
                       f"{stages} (every stage needs a microbatch in flight); use "
                       f"{max(stages, micro // stages * stages)}")
-  rows = mesh.batch_shards * t.grad_accum_steps * micro
+  # A step is one pipeline pass over `micro` microbatches: they are the unit of accumulation,
+  # so each of train.grad_accum_steps' microbatches is micro/grad_accum_steps of them.
+  if micro % t.grad_accum_steps:
+    raise ConfigError(f"pipeline.microbatches={micro}: must be a multiple of "
+                      f"train.grad_accum_steps={t.grad_accum_steps} (under pipeline stages the "
+                      f"pipeline's microbatches are the accumulation unit); use "
+                      f"{micro * t.grad_accum_steps // math.gcd(micro, t.grad_accum_steps)}")
+  rows = mesh.batch_shards * micro
   if t.global_batch_size % rows:
     raise ConfigError(f"train.global_batch_size={t.global_batch_size}: must be divisible by "
-                      f"mesh.data*mesh.fsdp*train.grad_accum_steps*pipeline.microbatches="
-                      f"{mesh.data}*{mesh.fsdp}*{t.grad_accum_steps}*{micro}={rows} (each "
-                      f"pipeline microbatch needs rows on every data-parallel device); use a "
-                      f"multiple of {rows}")
+                      f"mesh.data*mesh.fsdp*pipeline.microbatches={mesh.data}*{mesh.fsdp}*"
+                      f"{micro}={rows} (each pipeline microbatch needs rows on every "
+                      f"data-parallel device); use a multiple of {rows}")
 
 
 def _positive(config, key: str):

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtrain import dpo as dpo_lib
 from jaxtrain.cross_entropy import chunked_cross_entropy
 from jaxtrain.mesh import batch_sharding, replicated, shard
+from jaxtrain.pipeline import stage_count
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
@@ -140,7 +141,9 @@ def make_grad_fn(graphdef, *, grad_accum_steps: int = 1, loss_chunk_size: int = 
     return loss_sum, count, aux, constrain(grads)
 
   def grad_fn(params, batch: Batch, frozen=None, dropout_key=None):
-    if grad_accum_steps == 1:
+    # Under pipeline stages the step is one pipeline pass whose microbatches (a multiple of
+    # grad_accum_steps, config_checks) already split the batch: no accumulation loop on top.
+    if grad_accum_steps == 1 or stage_count() > 1:
       loss_sum, count, aux, grads = value_and_grad(params, frozen, batch, dropout_key)
     else:
       def accumulate(carry, xs):

@@ -117,7 +117,8 @@ def _config(**settings):
   c = small_config()
   c.model.num_layers = 4
   for key, value in settings.items():
-    group = c.pipeline if key in ("microbatches", "repeats") else c.mesh
+    group = (c.pipeline if key in ("microbatches", "repeats") else
+             c.train if key == "grad_accum_steps" else c.mesh)
     group[key] = value
   return c
 
@@ -145,6 +146,7 @@ def one_device_losses():
     ({"stage": 2, "data": 2, "fsdp": 2}, {"microbatches": 4}),
     ({"stage": 2, "fsdp": 2, "tensor": 2}, {"microbatches": 4, "repeats": 2}),
     ({"stage": 4, "fsdp": 2}, {"microbatches": 8}),
+    ({"stage": 2, "data": 2, "fsdp": 2}, {"microbatches": 4, "grad_accum_steps": 2}),
 ])
 def test_pipelined_training_losses_equal_one_device(one_device_losses, shape, schedule):
   losses = _losses(_config(**shape, **schedule), shape)
@@ -157,7 +159,9 @@ def test_pipelined_training_losses_equal_one_device(one_device_losses, shape, sc
     ({"stage": 2, "fsdp": 4, "microbatches": 3}, ["pipeline.microbatches=3", "multiple of "
                                                   "mesh.stage=2"]),
     ({"stage": 2, "fsdp": 4, "microbatches": 4}, ["train.global_batch_size=8",
-                                                  "*pipeline.microbatches=1*4*1*4=16"]),
+                                                  "*pipeline.microbatches=1*4*4=16"]),
+    ({"stage": 2, "fsdp": 2, "microbatches": 2, "grad_accum_steps": 4},
+     ["pipeline.microbatches=2", "train.grad_accum_steps=4", "use 4"]),
     ({"stage": 2, "fsdp": 2, "repeats": 4}, ["model.num_layers=4", "2*4=8"]),
 ])
 def test_bad_pipeline_settings_are_one_line_errors(settings, words):
@@ -171,3 +175,51 @@ def test_bad_pipeline_settings_are_one_line_errors(settings, words):
   assert "\n" not in message
   for word in words:
     assert word in message, (word, message)
+
+
+# ------------------------------------------------------------------------------ the CLI
+
+SMALL = ["--config.train.steps=4", "--config.train.log_every=1", "--config.train.eval_every=4",
+         "--config.optim.warmup_steps=2", "--config.optim.decay_steps=200",
+         "--config.train.eval_batches=2"]
+PIPELINED = ["--config.mesh.stage=2", "--config.mesh.data=2", "--config.mesh.fsdp=2",
+             "--config.mesh.tensor=1", "--config.pipeline.microbatches=4"]
+
+
+def _cli_losses(workdir, *args, devices=1):
+  import json  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  from tests.helpers import run_main  # pylint: disable=import-outside-toplevel
+  proc = run_main("--config=configs/tiny.py", f"--workdir={workdir}", *SMALL, *args,
+                  devices=devices)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return proc.stdout, [r["loss"] for r in map(json.loads, f) if "loss" in r]
+
+
+@pytest.mark.slow
+def test_cli_pipelined_runs_log_one_device_losses(tmp_path):
+  _, one = _cli_losses(tmp_path / "one")
+  out, plain = _cli_losses(tmp_path / "plain", *PIPELINED, devices=8)
+  assert "2 stages × 2 layers each, 4 microbatches" in out and "bubble 20.0%" in out
+  _, circular = _cli_losses(tmp_path / "circular", *PIPELINED, "--config.pipeline.repeats=2",
+                            devices=8)
+  assert len(one) == 4
+  np.testing.assert_allclose(plain, one, rtol=1e-5)
+  np.testing.assert_allclose(circular, one, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_llama70b_with_four_stages_compiles_for_h100x64():
+  from jaxtrain.dryrun import targets  # pylint: disable=import-outside-toplevel
+  from tests.helpers import run_main  # pylint: disable=import-outside-toplevel
+  missing = targets.compiler_missing(targets.parse("h100x64"))
+  if missing:
+    pytest.skip(missing)
+  proc = run_main("--config=configs/llama70b.py", "--config.mesh.stage=4",
+                  "--config.pipeline.microbatches=16", "--dry_run", "--dry_run_target=h100x64",
+                  timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "stage=4 fsdp=16" in proc.stdout
+  assert proc.stdout.strip().splitlines()[-1].startswith(
+      "dry_run: target=h100x64 compiler=gpu devices=64")

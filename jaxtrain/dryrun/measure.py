@@ -98,7 +98,10 @@ def modelled_model_config(config, backend: str, platform: str) -> tuple[ModelCon
   cfg = ModelConfig.from_config(config, platform=platform)
   impl = config.attention.impl
   resolved = {"gpu": "cudnn", "tpu": "pallas"}.get(platform, "xla") if impl == "auto" else impl
-  shown = f"{impl!r}" + (f" ({resolved})" if impl == "auto" else "")
+  if resolved == "cudnn" and config.mesh.stage > 1:
+    resolved = "pallas"  # as attention.attention does under pipeline stages
+  shown = f"{impl!r}" + (f" ({resolved})" if impl in ("auto", "cudnn") and impl != resolved
+                         else "")
   if config.mesh.context > 1:
     # Context parallelism runs its own attention (jaxtrain.context_attention).
     how = (f"context parallel over {config.mesh.context} devices "

@@ -74,7 +74,9 @@ def options(config, devices, base: aot.Measurement, table: Memories,
 
   microbatch = _microbatch(config, base)
   small = None
-  if microbatch > 1:
+  # Under pipeline stages a step keeps every pipeline microbatch's activations (one pass over
+  # all of them), so splitting the batch finer saves nothing; remat and state options remain.
+  if microbatch > 1 and config.mesh.stage == 1:
     accum = t.grad_accum_steps * microbatch
     overrides = {"train.grad_accum_steps": accum}
     small = aot.measure(_with(config, overrides), devices, base.platform)
@@ -175,7 +177,8 @@ def _tensor_parallel(config, devices, base: aot.Measurement, best: Option,
   kept: attention and MLP activations split 8 ways (the residual stream stays whole)."""
   m, mesh, t = config.model, base.mesh, config.train
   dims = (m.num_heads, m.num_kv_heads, m.mlp_dim, m.vocab_size)
-  if mesh.tensor != 1 or mesh.fsdp % tensor or any(d % tensor for d in dims):
+  if (mesh.tensor != 1 or mesh.fsdp % tensor or any(d % tensor for d in dims)
+      or mesh.stage > 1):  # under stages the accumulation it re-splits is the pipeline's
     return None
   accum = best.overrides.get("train.grad_accum_steps", t.grad_accum_steps)
   microbatch = t.global_batch_size // (mesh.batch_shards * accum)
