@@ -123,6 +123,13 @@ def pallas_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True
                        out_specs=q_spec, check_vma=False)(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT)
 
 
+def impl_under_stages(impl: str, stages: int) -> str:
+  """The resolved impl that runs under `stages` pipeline stages: pipeline stages vmap the layers,
+  and JAX's batching rule for cuDNN attention cannot batch its segment mask ("cannot reshape
+  array of shape (S, B, 1, T, T)"), so `cudnn` becomes our kernels there."""
+  return "pallas" if impl == "cudnn" and stages > 1 else impl
+
+
 def context_kernel_platform(impl: str, platform: str, interpret: bool = False) -> str | None:
   """Where context-parallel attention runs our Pallas kernels per chunk pair: "gpu" for a fused
   impl on GPU (cuDNN has no per-chunk log-sum-exp to merge, so `cudnn` and `auto` take our
@@ -149,10 +156,7 @@ def attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, impl="xla", causal
   """
   platform = platform or current_platform()
   impl = resolve_impl(impl, platform, interpret=interpret)
-  if impl == "cudnn" and stage_count() > 1:
-    # Pipeline stages vmap the layers, and JAX's batching rule for cuDNN attention cannot batch
-    # its segment mask ("cannot reshape array of shape (S, B, 1, T, T)"): our kernels instead.
-    impl = "pallas"
+  impl = impl_under_stages(impl, stage_count())
   if context_size() > 1:
     return context_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, strategy=context_parallel,
                              balanced=load_balance, causal=causal, sm_scale=sm_scale,

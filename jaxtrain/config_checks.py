@@ -11,6 +11,7 @@ import os
 
 from jaxtrain.dryrun import targets
 from jaxtrain.context_parallel import STRATEGIES as CONTEXT_STRATEGIES
+from jaxtrain.pipeline import resolve_microbatches
 from jaxtrain.mesh import BATCH_AXES, MESH_AXES, MeshShape, check_divides, resolve_shape
 from jaxtrain.config import (ATTENTION_IMPLS, DTYPES, LORA_TARGETS, OBJECTIVES, REMAT_POLICIES,
                              ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError)
@@ -92,7 +93,7 @@ def _check_pipeline(config, mesh: MeshShape):
     raise ConfigError(f"model.num_layers={m.num_layers}: does not split into mesh.stage*"
                       f"pipeline.repeats={stages}*{p.repeats}={groups} equal groups of layers; "
                       f"choose a stage count and repeats whose product divides it")
-  micro = p.microbatches or stages
+  micro = resolve_microbatches(p.microbatches, stages)
   if micro % stages:
     raise ConfigError(f"pipeline.microbatches={micro}: must be a multiple of mesh.stage="
                       f"{stages} (every stage needs a microbatch in flight); use "

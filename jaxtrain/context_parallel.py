@@ -20,15 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtrain.mesh import axis_size
+
 STRATEGIES = ("all_gather", "ring")
 
 
 def context_size(mesh=None) -> int:
   """The size of the `context` axis of `mesh` (default: the current abstract mesh); 1 without."""
-  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-  if mesh.empty or "context" not in mesh.axis_names:
-    return 1
-  return int(mesh.shape["context"])
+  return axis_size("context", mesh)
 
 
 def global_positions(length: int, shards: int, balanced: bool) -> np.ndarray:

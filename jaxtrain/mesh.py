@@ -205,6 +205,15 @@ def mesh_platform(mesh: Mesh) -> str:
   return platform_of_backend(mesh.devices.flat[0].platform)
 
 
+def axis_size(axis: str, mesh=None) -> int:
+  """The size of mesh axis `axis` in `mesh` (default: the current abstract mesh, as code traced
+  under `jax.set_mesh` sees it); 1 outside a mesh or where the mesh lacks the axis."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  if mesh.empty or axis not in mesh.axis_names:
+    return 1
+  return int(mesh.shape[axis])
+
+
 def num_slices(devices: Sequence[jax.Device] | None = None) -> int:
   """TPU slices the devices span (multislice); 1 where devices have no slices (GPU, CPU)."""
   devices = jax.devices() if devices is None else devices

@@ -392,7 +392,7 @@ class Llama(nnx.Module):
     cfg = self.cfg
     if not cfg.scan_layers:
       raise ValueError("pipeline stages need model.scan_layers=True (stacked layers)")
-    m = cfg.pipeline_microbatches or stages
+    m = pipeline_lib.resolve_microbatches(cfg.pipeline_microbatches, stages)
     b = x_BTD.shape[0]
     graphdef, state = nnx.split(self.layers)
     policy = remat_policy(cfg.remat_policy) if cfg.remat_policy != "none" else None

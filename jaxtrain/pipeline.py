@@ -25,15 +25,19 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.mesh import axis_size
+
 AXIS = "stage"
 
 
 def stage_count(mesh=None) -> int:
   """The size of the `stage` axis of `mesh` (default: the current abstract mesh); 1 without."""
-  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-  if mesh.empty or AXIS not in mesh.axis_names:
-    return 1
-  return int(mesh.shape[AXIS])
+  return axis_size(AXIS, mesh)
+
+
+def resolve_microbatches(configured: int, stages: int) -> int:
+  """`pipeline.microbatches`, with 0 meaning one per stage (the fewest that fill them)."""
+  return configured or stages
 
 
 def iterations(stages: int, microbatches: int, repeats: int = 1) -> int:
@@ -74,8 +78,7 @@ def from_stages(stage_layers: Any) -> Any:
 def _constrain_stages(x):
   """Leading dim over the `stage` mesh axis (the rest left to propagation); a no-op without a
   mesh that has it."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or AXIS not in mesh.axis_names:
+  if stage_count() == 1:
     return x
   spec = jax.sharding.PartitionSpec(AXIS, *([jax.sharding.PartitionSpec.UNCONSTRAINED]
                                             * (x.ndim - 1)))

@@ -27,7 +27,7 @@ from jaxtrain.data import shards as data_shards
 from jaxtrain.checkpoint import Checkpointer, abstract_like, load_params
 from jaxtrain import host_memory
 from jaxtrain import metrics as metrics_lib
-from jaxtrain import preflight
+from jaxtrain import pipeline, preflight
 from jaxtrain.mesh import MeshShape
 from jaxtrain.health import LossSpikeDetector, check_bad_streak
 from jaxtrain.mesh import batch_sharding, make_mesh
@@ -88,9 +88,8 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
                            f"(grad accum {t.grad_accum_steps})"),
   ]
   if mesh_shape.stage > 1:
-    from jaxtrain import pipeline  # pylint: disable=import-outside-toplevel
     stages, repeats = mesh_shape.stage, config.pipeline.repeats
-    micro = config.pipeline.microbatches or stages
+    micro = pipeline.resolve_microbatches(config.pipeline.microbatches, stages)
     rows.append(("pipeline", f"{stages} stages × {model_cfg.num_layers // stages} layers each"
                              f"{f' (in {repeats} groups)' if repeats > 1 else ''}, {micro} "
                              f"microbatches of {per_device / t.grad_accum_steps / micro:g} seq "

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import dpo, metrics, train_setup
-from jaxtrain.attention import context_kernel_platform
+from jaxtrain.attention import context_kernel_platform, impl_under_stages
 from jaxtrain.config_checks import validate
 from jaxtrain.dryrun import hlo_flops
 from jaxtrain.mesh import MeshShape, batch_sharding, make_mesh, platform_of_backend
@@ -98,8 +98,7 @@ def modelled_model_config(config, backend: str, platform: str) -> tuple[ModelCon
   cfg = ModelConfig.from_config(config, platform=platform)
   impl = config.attention.impl
   resolved = {"gpu": "cudnn", "tpu": "pallas"}.get(platform, "xla") if impl == "auto" else impl
-  if resolved == "cudnn" and config.mesh.stage > 1:
-    resolved = "pallas"  # as attention.attention does under pipeline stages
+  resolved = impl_under_stages(resolved, config.mesh.stage)
   shown = f"{impl!r}" + (f" ({resolved})" if impl in ("auto", "cudnn") and impl != resolved
                          else "")
   if config.mesh.context > 1:
