@@ -1,6 +1,7 @@
 """Small shared builders for tests: configs, meshes, synthetic packed batches, and the one
 harness the tests start `python -m jaxtrain.main` runs with."""
 
+import json
 import os
 import subprocess
 import sys
@@ -86,3 +87,28 @@ def run_main(*args, devices: int | None = None, env: dict | None = None, timeout
   returns it, stdout and stderr captured as text; a failing exit code is the caller's to check."""
   return subprocess.run(main_command(*args), cwd=cwd, env=main_env(devices, env),
                         capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def train_losses(config, shape, steps: int = 3, docs_per_row: int = 3) -> list[float]:
+  """Float losses of `steps` train steps of `config` on the mesh `shape` (see mesh_of), in this
+  process, on packed synthetic batches (a different one each step, the same on every mesh)."""
+  from jaxtrain import train_setup, trainer  # pylint: disable=import-outside-toplevel
+  setup = train_setup.build(config, mesh_of(shape))
+  state = train_setup.init_state(setup, seed=0)
+  losses = []
+  with jax.set_mesh(setup.mesh):
+    for step in range(steps):
+      batch = packed_batch(config.train.global_batch_size, config.train.seq_len,
+                           config.model.vocab_size, seed=step, docs_per_row=docs_per_row)
+      state, metrics = setup.train_step(state, trainer.to_global_batch(batch, setup.mesh))
+      losses.append(float(metrics["loss"]))
+  return losses
+
+
+def cli_losses(workdir, *args, devices: int | None = None):
+  """(stdout, logged train losses) of a `python -m jaxtrain.main ARGS --workdir=WORKDIR` run
+  that must succeed."""
+  proc = run_main(*args, f"--workdir={workdir}", devices=devices)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return proc.stdout, [r["loss"] for r in map(json.loads, f) if "loss" in r]

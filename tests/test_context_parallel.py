@@ -2,8 +2,6 @@
 against the reference, training losses against one device, the collectives in the compiled
 step, checkpoints across meshes, and the config errors."""
 
-import json
-import os
 import re
 
 import jax
@@ -11,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import attention, context_parallel as cp, train_setup, trainer
+from jaxtrain import attention, context_parallel as cp, train_setup
 from jaxtrain.config import ConfigError
 from jaxtrain.config_checks import validate
 from jaxtrain.context_attention import context_attention
 from jaxtrain.dryrun import targets
 from jaxtrain.dryrun.measure import compile_setup, compile_step
-from tests.helpers import mesh_of, packed_batch, run_main, small_config
+from tests.helpers import cli_losses, mesh_of, run_main, small_config, train_losses
 
 
 # ------------------------------------------------------------------------------ the layout
@@ -67,23 +65,16 @@ def qkv():
   return q, k, v, jnp.asarray(seg), dout
 
 
-@pytest.mark.parametrize("shape", [{"context": 4, "fsdp": 2},
-                                   {"context": 2, "data": 2, "tensor": 2},
-                                   {"context": 8}])
-@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
-@pytest.mark.parametrize("balanced", [False, True])
-def test_context_attention_equals_reference_forward_and_gradients(qkv, shape, strategy,
-                                                                   balanced):
+def _assert_equals_reference(qkv, shape, balanced, split_attention):
+  """`split_attention(q, k, v, seg)` (sequences in the context layout, under the mesh `shape`)
+  against xla_attention on the original order: the output and the gradients of q, k and v."""
   q, k, v, seg, dout = qkv
-  reference = lambda q, k, v: attention.xla_attention(q, k, v, seg)
-  ref_out, ref_vjp = jax.vjp(reference, q, k, v)
+  ref_out, ref_vjp = jax.vjp(lambda q, k, v: attention.xla_attention(q, k, v, seg), q, k, v)
   perm = cp.layout_permutation(T, shape["context"], balanced)
   inverse = np.argsort(perm)
 
   def split(q, k, v):  # in the layout, as the model sees it; back in order for comparison
-    out = context_attention(q[:, perm], k[:, perm], v[:, perm], seg[:, perm],
-                            strategy=strategy, balanced=balanced, tile=4)
-    return out[:, inverse]
+    return split_attention(q[:, perm], k[:, perm], v[:, perm], seg[:, perm])[:, inverse]
 
   with jax.set_mesh(mesh_of(shape)):
     out, vjp = jax.vjp(jax.jit(split), q, k, v)
@@ -91,6 +82,17 @@ def test_context_attention_equals_reference_forward_and_gradients(qkv, shape, st
   np.testing.assert_allclose(out, ref_out, atol=2e-6)
   for got, want in zip(grads, ref_vjp(dout)):
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [{"context": 4, "fsdp": 2},
+                                   {"context": 2, "data": 2, "tensor": 2},
+                                   {"context": 8}])
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.parametrize("balanced", [False, True])
+def test_context_attention_equals_reference_forward_and_gradients(qkv, shape, strategy,
+                                                                   balanced):
+  _assert_equals_reference(qkv, shape, balanced, lambda q, k, v, seg: context_attention(
+      q, k, v, seg, strategy=strategy, balanced=balanced, tile=4))
 
 
 @pytest.mark.parametrize("strategy,shape", [("ring", {"context": 4, "fsdp": 2}),
@@ -99,22 +101,8 @@ def test_context_attention_equals_reference_forward_and_gradients(qkv, shape, st
 def test_pallas_kernels_per_chunk_pair_equal_reference(qkv, strategy, shape):
   """The GPU route (our flash kernels per chunk pair, merged by log-sum-exp), run in the Pallas
   interpreter."""
-  q, k, v, seg, dout = qkv
-  ref_out, ref_vjp = jax.vjp(lambda q, k, v: attention.xla_attention(q, k, v, seg), q, k, v)
-  perm = cp.layout_permutation(T, shape["context"], True)
-  inverse = np.argsort(perm)
-
-  def split(q, k, v):
-    return attention.attention(q[:, perm], k[:, perm], v[:, perm], seg[:, perm], impl="pallas",
-                               interpret=True, platform="cpu",
-                               context_parallel=strategy)[:, inverse]
-
-  with jax.set_mesh(mesh_of(shape)):
-    out, vjp = jax.vjp(jax.jit(split), q, k, v)
-    grads = vjp(dout)
-  np.testing.assert_allclose(out, ref_out, atol=2e-6)
-  for got, want in zip(grads, ref_vjp(dout)):
-    np.testing.assert_allclose(got, want, atol=1e-5)
+  _assert_equals_reference(qkv, shape, True, lambda q, k, v, seg: attention.attention(
+      q, k, v, seg, impl="pallas", interpret=True, platform="cpu", context_parallel=strategy))
 
 
 @pytest.mark.parametrize("strategy,collective", [("ring", "collective-permute"),
@@ -176,21 +164,9 @@ def _config(context, strategy, **mesh):
   return c
 
 
-def _losses(config, shape, steps=3):
-  setup = train_setup.build(config, mesh_of(shape))
-  state = train_setup.init_state(setup, seed=0)
-  losses = []
-  with jax.set_mesh(setup.mesh):
-    for step in range(steps):
-      batch = packed_batch(8, config.train.seq_len, 128, seed=step, docs_per_row=3)
-      state, metrics = setup.train_step(state, trainer.to_global_batch(batch, setup.mesh))
-      losses.append(float(metrics["loss"]))
-  return losses
-
-
 @pytest.fixture(scope="module")
 def one_device_losses():
-  return _losses(_config(1, "all_gather"), (1, 1, 1))
+  return train_losses(_config(1, "all_gather"), (1, 1, 1))
 
 
 @pytest.mark.parametrize("strategy,shape", [
@@ -199,22 +175,22 @@ def one_device_losses():
     ("ring", {"context": 4, "fsdp": 2}),
 ])
 def test_training_losses_equal_one_device(one_device_losses, strategy, shape):
-  losses = _losses(_config(strategy=strategy, **shape), shape)
+  losses = train_losses(_config(strategy=strategy, **shape), shape)
   np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)
 
 
 def test_gradient_accumulation_under_context_equals_one_device(one_device_losses):
   config = _config(4, "ring", fsdp=2)
   config.train.grad_accum_steps = 2
-  np.testing.assert_allclose(_losses(config, {"context": 4, "fsdp": 2}), one_device_losses,
-                             rtol=1e-5)
+  losses = train_losses(config, {"context": 4, "fsdp": 2})
+  np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)
 
 
 def test_unbalanced_layout_trains_the_same(one_device_losses):
   config = _config(4, "ring", fsdp=2)
   config.attention.load_balance = False
-  np.testing.assert_allclose(_losses(config, {"context": 4, "fsdp": 2}), one_device_losses,
-                             rtol=1e-5)
+  losses = train_losses(config, {"context": 4, "fsdp": 2})
+  np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)
 
 
 @pytest.mark.parametrize("strategy,collective", [("ring", "collective-permute"),
@@ -265,12 +241,8 @@ SMALL = ["--config.model.num_layers=2", "--config.model.d_model=64", "--config.m
          "--config.checkpoint.every_steps=3"]
 
 
-def _cli(workdir, *overrides, devices=1):
-  proc = run_main("--config=configs/tiny.py", f"--workdir={workdir}", *SMALL, *overrides,
-                  devices=devices)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    return proc, [r["loss"] for r in map(json.loads, f) if "loss" in r]
+def _cli(workdir, *overrides, devices=None):
+  return cli_losses(workdir, "--config=configs/tiny.py", *SMALL, *overrides, devices=devices)
 
 
 CONTEXT_RING = ["--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.mesh.data=1",
@@ -280,20 +252,20 @@ CONTEXT_RING = ["--config.mesh.context=4", "--config.mesh.fsdp=2", "--config.mes
 @pytest.mark.slow
 def test_cli_ring_run_logs_one_device_losses_and_its_checkpoint_moves_across_meshes(tmp_path):
   _, one = _cli(tmp_path / "one")
-  proc, ring = _cli(tmp_path / "ring", *CONTEXT_RING, devices=8)
+  out, ring = _cli(tmp_path / "ring", *CONTEXT_RING, devices=8)
   assert len(ring) == 6
   np.testing.assert_allclose(ring, one, rtol=1e-5)
-  assert "context=4" in proc.stdout and "ring" in proc.stdout
+  assert "context=4" in out and "ring" in out
   # Saved at step 3 under context=4; resumed on one device without context, and back.
   resumed = tmp_path / "resumed"
   _cli(resumed, *CONTEXT_RING, "--config.train.steps=3", devices=8)
-  proc, after = _cli(resumed)
-  assert "resumed from step 3" in proc.stdout
+  out, after = _cli(resumed)
+  assert "resumed from step 3" in out
   np.testing.assert_allclose(after[-3:], one[3:], rtol=1e-5)
   back = tmp_path / "back"
   _cli(back, "--config.train.steps=3")
-  proc, after = _cli(back, *CONTEXT_RING, devices=8)
-  assert "resumed from step 3" in proc.stdout
+  out, after = _cli(back, *CONTEXT_RING, devices=8)
+  assert "resumed from step 3" in out
   np.testing.assert_allclose(after[-3:], one[3:], rtol=1e-5)
 
 

@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxtrain import pipeline as pp
+from tests.helpers import cli_losses, run_main, small_config, train_losses
 
 D, L = 16, 8
 
@@ -113,7 +114,6 @@ def test_bubble_and_bad_schedules():
 
 
 def _config(**settings):
-  from tests.helpers import small_config  # pylint: disable=import-outside-toplevel
   c = small_config()
   c.model.num_layers = 4
   for key, value in settings.items():
@@ -123,23 +123,9 @@ def _config(**settings):
   return c
 
 
-def _losses(config, shape, steps=3):
-  from jaxtrain import train_setup, trainer  # pylint: disable=import-outside-toplevel
-  from tests.helpers import mesh_of, packed_batch  # pylint: disable=import-outside-toplevel
-  setup = train_setup.build(config, mesh_of(shape))
-  state = train_setup.init_state(setup, seed=0)
-  losses = []
-  with jax.set_mesh(setup.mesh):
-    for step in range(steps):
-      batch = packed_batch(8, config.train.seq_len, 128, seed=step, docs_per_row=3)
-      state, metrics = setup.train_step(state, trainer.to_global_batch(batch, setup.mesh))
-      losses.append(float(metrics["loss"]))
-  return losses
-
-
 @pytest.fixture(scope="module")
 def one_device_losses():
-  return _losses(_config(), (1, 1, 1))
+  return train_losses(_config(), (1, 1, 1))
 
 
 @pytest.mark.parametrize("shape,schedule", [
@@ -149,7 +135,7 @@ def one_device_losses():
     ({"stage": 2, "data": 2, "fsdp": 2}, {"microbatches": 4, "grad_accum_steps": 2}),
 ])
 def test_pipelined_training_losses_equal_one_device(one_device_losses, shape, schedule):
-  losses = _losses(_config(**shape, **schedule), shape)
+  losses = train_losses(_config(**shape, **schedule), shape)
   np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)
 
 
@@ -186,15 +172,8 @@ PIPELINED = ["--config.mesh.stage=2", "--config.mesh.data=2", "--config.mesh.fsd
              "--config.mesh.tensor=1", "--config.pipeline.microbatches=4"]
 
 
-def _cli_losses(workdir, *args, devices=1):
-  import json  # pylint: disable=import-outside-toplevel
-  import os  # pylint: disable=import-outside-toplevel
-  from tests.helpers import run_main  # pylint: disable=import-outside-toplevel
-  proc = run_main("--config=configs/tiny.py", f"--workdir={workdir}", *SMALL, *args,
-                  devices=devices)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    return proc.stdout, [r["loss"] for r in map(json.loads, f) if "loss" in r]
+def _cli_losses(workdir, *args, devices=None):
+  return cli_losses(workdir, "--config=configs/tiny.py", *SMALL, *args, devices=devices)
 
 
 @pytest.mark.slow
@@ -212,7 +191,6 @@ def test_cli_pipelined_runs_log_one_device_losses(tmp_path):
 @pytest.mark.slow
 def test_llama70b_with_four_stages_compiles_for_h100x64():
   from jaxtrain.dryrun import targets  # pylint: disable=import-outside-toplevel
-  from tests.helpers import run_main  # pylint: disable=import-outside-toplevel
   missing = targets.compiler_missing(targets.parse("h100x64"))
   if missing:
     pytest.skip(missing)
