@@ -105,7 +105,8 @@ def default_config() -> ml_collections.ConfigDict:
 
   c.pipeline = ml_collections.ConfigDict()
   # With mesh.stage > 1: microbatches per pipeline pass (a multiple of mesh.stage; 0: mesh.stage).
-  # Each gradient-accumulation microbatch is split into this many; the idle share of the stages
+  # A step is one pass over the whole batch in this many microbatches, and they are the unit of
+  # gradient accumulation: train.grad_accum_steps must divide it. The idle share of the stages
   # (the bubble) is (S-1)/(R*M+S-1).
   c.pipeline.microbatches = 0
   # Circular schedule: each stage holds this many non-contiguous groups of layers and the

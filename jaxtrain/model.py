@@ -119,6 +119,8 @@ class ModelConfig:
 
 
 _QKV_NAMES = ("query_proj", "key_proj", "value_proj")
+# Every weight projection's output, named with checkpoint_name: what `minimal` saves, by name.
+_PROJ_NAMES = _QKV_NAMES + ("out_proj", "mlp_gate", "mlp_up", "mlp_down")
 # Where offload policies move saved activations: from accelerator memory to page-locked host
 # memory, which the device reads back over PCIe / the host link in the backward pass.
 _SRC, _DST = "device", "pinned_host"
@@ -132,7 +134,7 @@ def _offload_all_dots(prim, *_, **__):
   return jax.ad_checkpoint.Recompute
 
 
-def remat_policy(name: str):
+def remat_policy(name: str, *, by_name: bool = False):
   """Named remat policies (config.REMAT_POLICIES). Returns None for `none` (no remat at all).
 
   full: save only each layer's input; recompute the whole layer in the backward pass.
@@ -143,8 +145,18 @@ def remat_policy(name: str):
   *_offload: the same values saved, but in pinned host memory rather than device memory; the
     backward pass copies them back. Device memory of `full`, recompute of the base policy, plus
     host-link traffic (which XLA overlaps with compute where it can).
+
+  `by_name`: the same choices made by the values' checkpoint names rather than by matmul shapes,
+  for layers run under a vmap (pipeline stages), where every matmul gains a batch dim and a
+  shape-based `minimal` would save nothing. There `save_dots` saves the projections too (the
+  attention matmuls it adds have no names; flash kernels have none to save either way).
   """
   policies = jax.checkpoint_policies
+  if by_name and name in ("minimal", "save_dots", "minimal_offload", "save_dots_offload"):
+    if name.endswith("_offload"):
+      return policies.save_and_offload_only_these_names(
+          names_which_can_be_saved=(), names_which_can_be_offloaded=_PROJ_NAMES, **_TO_HOST)
+    return policies.save_only_these_names(*_PROJ_NAMES)
   return {
       "none": None,
       "full": policies.nothing_saveable,
@@ -262,7 +274,7 @@ class Attention(nnx.Module):
                                        **dict(self.attention_options))
     b, t, h, e = out_BTHE.shape
     out_BTD = proj(out_BTHE.reshape(b, t, h * e), self.wo_HED, self.lora_o, num_in=2)
-    return shard(out_BTD, ("act_batch", "act_length", "act_embed"))
+    return checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")), "out_proj")
 
 
 class MLP(nnx.Module):
@@ -285,11 +297,11 @@ class MLP(nnx.Module):
   def __call__(self, x_BTD, dropout_key=None):
     proj = functools.partial(project, dtype=self.dtype, dropout_key=dropout_key,
                              explicit_transpose_for_dw=self.explicit_transpose_for_dw)
-    gate_BTF = proj(x_BTD, self.w_gate_DF, self.lora_gate)
-    up_BTF = proj(x_BTD, self.w_up_DF, self.lora_up)
+    gate_BTF = checkpoint_name(proj(x_BTD, self.w_gate_DF, self.lora_gate), "mlp_gate")
+    up_BTF = checkpoint_name(proj(x_BTD, self.w_up_DF, self.lora_up), "mlp_up")
     h_BTF = shard(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp"))
     out_BTD = proj(h_BTF, self.w_down_FD, self.lora_down)
-    return shard(out_BTD, ("act_batch", "act_length", "act_embed"))
+    return checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")), "mlp_down")
 
 
 class Block(nnx.Module):
@@ -395,13 +407,18 @@ class Llama(nnx.Module):
     m = pipeline_lib.resolve_microbatches(cfg.pipeline_microbatches, stages)
     b = x_BTD.shape[0]
     graphdef, state = nnx.split(self.layers)
-    policy = remat_policy(cfg.remat_policy) if cfg.remat_policy != "none" else None
+    remat = cfg.remat_policy != "none"
+    # Each layer under its policy by name (the stage vmap gives every matmul a batch dim), and
+    # each pipeline iteration under remat (jaxtrain.pipeline): the backward pass keeps every
+    # iteration's stage inputs and recomputes one iteration at a time, so what the layer policy
+    # saves is held for one microbatch, not all of them.
+    policy = remat_policy(cfg.remat_policy, by_name=True) if remat else None
 
     def layer(x_BTD, layer_state, carried):
       block = nnx.merge(graphdef, layer_state)
       return block(x_BTD, carried["positions"], carried["segment_ids"], carried.get("key"))
-    if cfg.remat_policy != "none":
-      layer = jax.checkpoint(layer, policy=policy)
+    if remat:
+      layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
 
     def stage_fn(layers, x_BTD, carried):
       def body(x_BTD, xs):
@@ -420,7 +437,8 @@ class Llama(nnx.Module):
                "segment_ids": (None if segment_ids_BT is None
                                else to_microbatches(segment_ids_BT))}
     out_M = pipeline_lib.pipeline(stage_fn, stage_layers, to_microbatches(x_BTD), carried,
-                                  repeats=cfg.pipeline_repeats)
+                                  repeats=cfg.pipeline_repeats, remat=remat,
+                                  names=("act_batch", "act_length", "act_embed"))
     return out_M.swapaxes(0, 1).reshape(x_BTD.shape)
 
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *,

@@ -1,5 +1,6 @@
 """Pipeline parallelism: layers split into stages over a `stage` mesh axis, microbatches flowing
-through them in one SPMD program (the schedule; the trainer's use of it is to come).
+through them in one SPMD program (the schedule; `Llama.hidden_states` runs its layers with it
+under a mesh with stages).
 
 Every stage runs at once on its own microbatch, as one `vmap` over a leading stage dim that is
 sharded over the `stage` mesh axis; after each iteration the activations shift one stage on
@@ -10,8 +11,13 @@ the bubble, (S-1)/(M+S-1) of the time.
 Circular (interleaved) schedule, R repeats: the L layers are cut into R·S groups of L/(R·S);
 stage s holds groups s, S+s, 2S+s, ... and each microbatch goes around the S stages R times,
 running group r·S+s on stage s in its r-th pass. The scan then has M·R + S - 1 iterations and
-the bubble shrinks to (S-1)/(R·M+S-1). A microbatch leaving the last stage waits in a buffer of
+the bubble shrinks to (S-1)/(R·M+S-1). A microbatch leaving the last stage waits in a queue of
 M slots until stage 0 is free for its next pass, which needs M >= S.
+
+Memory: under `remat` the backward pass keeps each iteration's stage inputs (one microbatch per
+stage, M·R+S-1 iterations) and recomputes one iteration at a time, so a stage holds its layers'
+saved activations for one microbatch, not for all M as plain autodiff through the scan would
+(GPipe). The queue of the M microbatches (and its cotangent) is the other cost that grows with M.
 
 Shapes: per-microbatch arrays carry a leading M dim (x_M..., also positions and segment ids,
 which travel with their microbatch); stage parameters a leading [S, R, L/(R·S)] (see
@@ -20,12 +26,13 @@ which travel with their microbatch); stage parameters a leading [S, R, L/(R·S)]
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.mesh import axis_size
+from jaxtrain.mesh import axis_size, logical_to_spec
 
 AXIS = "stage"
 
@@ -48,6 +55,16 @@ def iterations(stages: int, microbatches: int, repeats: int = 1) -> int:
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
   """The share of stage-iterations spent idle: (S-1) / (R·M + S - 1)."""
   return (stages - 1) / iterations(stages, microbatches, repeats)
+
+
+def describe(stages: int, num_layers: int, microbatches: int, repeats: int,
+             rows_per_device: float) -> str:
+  """The run table's and the dry run's `pipeline` row: "4 stages × 20 layers each, 16
+  microbatches of 2 seq per device, bubble 15.8%"."""
+  groups = f" (in {repeats} groups)" if repeats > 1 else ""
+  return (f"{stages} stages × {num_layers // stages} layers each{groups}, {microbatches} "
+          f"microbatches of {rows_per_device / microbatches:g} seq per device (grad accum within "
+          f"them), bubble {100 * bubble_fraction(stages, microbatches, repeats):.1f}%")
 
 
 def check_schedule(num_layers: int, stages: int, microbatches: int, repeats: int = 1) -> None:
@@ -75,25 +92,34 @@ def from_stages(stage_layers: Any) -> Any:
   return jax.tree.map(merge, stage_layers)
 
 
-def _constrain_stages(x):
-  """Leading dim over the `stage` mesh axis (the rest left to propagation); a no-op without a
-  mesh that has it."""
+def _constrain(x, lead: str | None, names: Sequence[str | None] | None):
+  """[lead, *microbatch dims]: the leading dim over mesh axis `lead` (None: whole), the rest by
+  their logical `names` (None: left to propagation); a no-op without stages. Without these
+  constraints XLA may gather the microbatches' batch dim onto every device."""
   if stage_count() == 1:
     return x
-  spec = jax.sharding.PartitionSpec(AXIS, *([jax.sharding.PartitionSpec.UNCONSTRAINED]
-                                            * (x.ndim - 1)))
-  return jax.lax.with_sharding_constraint(x, spec)
+  rest = (logical_to_spec(names) if names is not None
+          else [jax.sharding.PartitionSpec.UNCONSTRAINED] * (x.ndim - 1))
+  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(lead, *rest))
 
 
 def pipeline(stage_fn: Callable, stage_layers: Any, x_M: jax.Array, carried_M: Any = None, *,
-             repeats: int = 1) -> jax.Array:
+             repeats: int = 1, remat: bool = False,
+             names: Sequence[str | None] | None = None) -> jax.Array:
   """Runs every microbatch of `x_M` through all layers, stage by stage; returns the outputs in
   microbatch order, shaped like `x_M`.
 
   `stage_fn(layers, x, carried) -> x` applies one stage's group of layers ([L/(R·S), ...]
   params) to one microbatch; `carried_M` (a pytree of [M, ...] arrays, e.g. positions and
   segment ids) is what the microbatch brings along, unchanged. `stage_layers` is
-  `to_stages(layers, S, repeats)`.
+  `to_stages(layers, S, repeats)`. `names`: the logical axis names of one microbatch's dims
+  (e.g. ("act_batch", "act_length", "act_embed")), which keep it sharded as the model's
+  activations are.
+
+  `remat`: the backward pass keeps only each iteration's stage inputs ([S, microbatch...], M·R+S-1
+  of them) and recomputes the iteration from them; `stage_fn`'s own remat policy then decides
+  what that recompute keeps. Without it, autodiff keeps everything `stage_fn` saves for every
+  microbatch at once (GPipe's memory: the whole batch's activations of a stage's layers).
   """
   stages = jax.tree.leaves(stage_layers)[0].shape[0]
   microbatches = x_M.shape[0]
@@ -103,34 +129,50 @@ def pipeline(stage_fn: Callable, stage_layers: Any, x_M: jax.Array, carried_M: A
   stage_ids = jnp.arange(stages)
   carried_M = {} if carried_M is None else carried_M
 
-  def step(carry, i):
-    buffer_M, outputs_S = carry
+  def run_stages(stage_layers, r_S, active_S, inputs_S, carried_S):
+    # The pass's group is picked inside, from the loop-invariant `stage_layers`: picked outside,
+    # each iteration's pick would be a residual of its own (a copy of the weights per iteration).
+    layers_S = jax.tree.map(
+        lambda p: jax.vmap(lambda ps, r: jax.lax.dynamic_index_in_dim(ps, r, 0, False))(p, r_S),
+        stage_layers)
+    new_S = jax.vmap(stage_fn)(layers_S, inputs_S, carried_S)
+    # Idle stages (filling or draining) give zeros: what they compute is never read, and zeros
+    # keep it finite. Masked in here, so remat keeps the [S] flags rather than a full-size mask.
+    return jnp.where(active_S.reshape((-1,) + (1,) * (new_S.ndim - 1)), new_S, 0)
+  if remat:
+    run_stages = jax.checkpoint(run_stages, policy=jax.checkpoint_policies.nothing_saveable,
+                                prevent_cse=False)  # inside a scan CSE cannot undo the remat
+
+  last = stages - 1
+
+  def step(carry, i, write: bool):
+    queue_M, outputs_S = carry
     # Which microbatch and pass each stage has now (stage s is s iterations behind stage 0).
     k_S = i - stage_ids
     active_S = (k_S >= 0) & (k_S < total)
     m_S = jnp.mod(k_S, microbatches)
     r_S = jnp.clip(k_S // microbatches, 0, repeats - 1)
-    # Stage 0 takes its microbatch from the buffer (the input, or its previous pass's output);
-    # every other stage takes what the stage before it produced last iteration.
-    shifted_S = jnp.roll(outputs_S, 1, axis=0)
-    inputs_S = shifted_S.at[0].set(buffer_M[jnp.mod(i, microbatches)])
-    inputs_S = _constrain_stages(inputs_S)
+    # Stage 0 takes the head of the queue (microbatch i mod M: the input, or its previous pass's
+    # output); every other stage takes what the stage before it produced last iteration.
+    inputs_S = _constrain(jnp.roll(outputs_S, 1, axis=0).at[0].set(queue_M[0]), AXIS, names)
     carried_S = jax.tree.map(lambda c: c[m_S], carried_M)
-    layers_S = jax.tree.map(
-        lambda p: jax.vmap(lambda ps, r: jax.lax.dynamic_index_in_dim(ps, r, 0, False))(p, r_S),
-        stage_layers)
-    new_S = jax.vmap(stage_fn)(layers_S, inputs_S, carried_S)
-    # Idle stages (filling or draining) keep zeros: nothing they compute is ever read.
-    new_S = jnp.where(active_S.reshape((-1,) + (1,) * (new_S.ndim - 1)), new_S, 0)
-    new_S = _constrain_stages(new_S)
-    # The last stage's output goes back to the buffer slot of its microbatch.
-    last = stages - 1
-    slot = m_S[last]
-    write = active_S[last]
-    buffer_M = buffer_M.at[slot].set(jnp.where(write, new_S[last], buffer_M[slot]))
-    return (buffer_M, new_S), None
+    new_S = _constrain(run_stages(stage_layers, r_S, active_S, inputs_S, carried_S), AXIS, names)
+    # The queue turns by one. The last stage has just finished microbatch (i-S+1) mod M, whose
+    # slot is now at M-S: a fixed place, so every queue operation has static indices (XLA
+    # partitions those without gathering the queue). Before the last stage's first output
+    # (`write` False) that slot still holds an input.
+    queue_M = jnp.roll(queue_M, -1, axis=0)
+    if write:
+      queue_M = queue_M.at[microbatches - stages].set(new_S[last])
+    return (_constrain(queue_M, None, names), new_S), None
 
-  outputs_S = _constrain_stages(jnp.zeros((stages,) + x_M.shape[1:], x_M.dtype))
-  (buffer_M, _), _ = jax.lax.scan(step, (x_M, outputs_S),
-                                  jnp.arange(iterations(stages, microbatches, repeats)))
-  return buffer_M
+  # Microbatch m starts at slot m, so it is the head at iteration m.
+  carry = (_constrain(x_M, None, names),
+           _constrain(jnp.zeros((stages,) + x_M.shape[1:], x_M.dtype), AXIS, names))
+  # Two scans, M·R + S - 1 iterations in all: the fill (S - 1), before the last stage's first
+  # output, and the rest, in which the last stage finishes a microbatch every iteration.
+  carry, _ = jax.lax.scan(functools.partial(step, write=False), carry, jnp.arange(last))
+  (queue_M, _), _ = jax.lax.scan(functools.partial(step, write=True), carry,
+                                 jnp.arange(last, iterations(stages, microbatches, repeats)))
+  # After the last iteration microbatch m sits at slot (m - S + 1) mod M.
+  return jnp.roll(queue_M, last, axis=0)

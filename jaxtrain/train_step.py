@@ -130,12 +130,20 @@ def make_grad_fn(graphdef, *, grad_accum_steps: int = 1, loss_chunk_size: int = 
 
   constants_fn, loss_sums = make_loss_sums(graphdef, objective=objective,
                                            loss_chunk_size=loss_chunk_size, dpo_beta=dpo_beta)
+  # Under pipeline stages the loss sees the whole batch (grad_accum_steps microbatches) at once:
+  # chunks of loss_chunk_size/grad_accum_steps positions hold the logits that one accumulation
+  # microbatch's chunk would.
+  pipelined_constants_fn, pipelined_loss_sums = make_loss_sums(
+      graphdef, objective=objective, loss_chunk_size=max(1, loss_chunk_size // grad_accum_steps),
+      dpo_beta=dpo_beta)
 
   def value_and_grad(params, frozen, batch, key):
-    constants = constants_fn(params, frozen, batch)
+    constants_fn_, loss_sums_ = ((pipelined_constants_fn, pipelined_loss_sums)
+                                 if stage_count() > 1 else (constants_fn, loss_sums))
+    constants = constants_fn_(params, frozen, batch)
 
     def loss(p):
-      loss_sum, count, aux = loss_sums(p, frozen, batch, constants, key)
+      loss_sum, count, aux = loss_sums_(p, frozen, batch, constants, key)
       return loss_sum, (count, aux)
     (loss_sum, (count, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
     return loss_sum, count, aux, constrain(grads)

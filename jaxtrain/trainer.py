@@ -90,11 +90,8 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
   if mesh_shape.stage > 1:
     stages, repeats = mesh_shape.stage, config.pipeline.repeats
     micro = pipeline.resolve_microbatches(config.pipeline.microbatches, stages)
-    rows.append(("pipeline", f"{stages} stages × {model_cfg.num_layers // stages} layers each"
-                             f"{f' (in {repeats} groups)' if repeats > 1 else ''}, {micro} "
-                             f"microbatches of {per_device / t.grad_accum_steps / micro:g} seq "
-                             f"per device, bubble "
-                             f"{100 * pipeline.bubble_fraction(stages, micro, repeats):.1f}%"))
+    rows.append(("pipeline", pipeline.describe(stages, model_cfg.num_layers, micro, repeats,
+                                               per_device)))
   if mesh_shape.context > 1:
     layout = ("load-balanced (device i: chunks i and 2C-1-i)" if model_cfg.context_load_balance
               else "contiguous parts")

@@ -29,11 +29,15 @@ def _model(scan_layers=True):
 
 
 def _greedy_without_cache(model, prompt, n):
+  # One fixed length (padding after the last token, which causal attention never reads), so
+  # the whole-sequence forward compiles once rather than once per length.
   forward = nnx.jit(lambda model, ids: model(ids))
   ids = list(prompt)
   for _ in range(n):
-    logits = forward(model, jnp.asarray([ids], jnp.int32))
-    ids.append(int(jnp.argmax(logits[0, -1])))
+    padded = np.zeros((1, 16), np.int32)  # every prompt here plus its 10 new tokens fits
+    padded[0, :len(ids)] = ids
+    logits = forward(model, jnp.asarray(padded))
+    ids.append(int(jnp.argmax(logits[0, len(ids) - 1])))
   return np.array(ids[len(prompt):])
 
 

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from jaxtrain import metrics
+from jaxtrain import metrics, pipeline
 from jaxtrain.config import ConfigError
 from jaxtrain.config_checks import validate
 from jaxtrain.dryrun import measure as aot
@@ -178,6 +178,8 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
   cfg, t, o = m.model_cfg, config.train, config.optim
   shards = m.mesh.batch_shards
   microbatch = t.global_batch_size // (shards * t.grad_accum_steps)
+  stages = m.mesh.stage
+  micro = pipeline.resolve_microbatches(config.pipeline.microbatches, stages)
   if m.backend == m.platform:
     where = (f"{target.describe() if target is not None else f'{m.num_devices} devices'}, by "
              f"{_compiler_name(m)}" + (" (no device needed)" if m.backend != "cpu" else ""))
@@ -194,8 +196,12 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
                      f"F={cfg.mlp_dim} V={cfg.vocab_size}"),
       ("mesh", m.mesh.describe()),
       ("batch", f"global {t.global_batch_size} seq × {t.seq_len}; per device "
-                f"{t.global_batch_size // shards} seq, microbatch {microbatch} "
-                f"(grad accum {t.grad_accum_steps})"),
+                f"{t.global_batch_size // shards} seq, "
+                + (f"{micro} pipeline microbatches of {t.global_batch_size // shards // micro}"
+                   if stages > 1 else f"microbatch {microbatch}")
+                + f" (grad accum {t.grad_accum_steps})"),
+      *([("pipeline", pipeline.describe(stages, cfg.num_layers, micro, config.pipeline.repeats,
+                                        t.global_batch_size / shards))] if stages > 1 else []),
       ("dtypes", f"params {cfg.param_dtype}, compute {cfg.dtype}, Adam moments "
                  f"{o.state_dtype} in {'pinned host' if o.offload_state else 'device'} "
                  f"memory"),
@@ -213,7 +219,8 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
   exact_args = m.params + m.opt_device + m.opt_host + m.batch
   host = m.opt_host + m.act_host
   lines += [
-      "", "per-device memory:",
+      "", "per-device memory" + (f" (each device holds one stage: {cfg.num_layers // stages} "
+                                 f"of the {cfg.num_layers} layers)" if stages > 1 else "") + ":",
       f"  parameters       {format_bytes(m.params):>11}  exact, from the shardings"
       + (f" (trained {format_bytes(m.params - m.frozen)}, frozen {format_bytes(m.frozen)})"
          if m.frozen else ""),
