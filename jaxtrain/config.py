@@ -112,6 +112,11 @@ def default_config() -> ml_collections.ConfigDict:
   # Circular schedule: each stage holds this many non-contiguous groups of layers and the
   # microbatches go around the stages this many times (smaller bubble, more transfers).
   c.pipeline.repeats = 1
+  # FSDP under stages: False gathers each stage's weights for every microbatch (and again in the
+  # backward pass), holding one layer's whole weights at a time; True gathers them once per step
+  # before the pipeline, holding the stage's whole weights (and their gradients, float32) for
+  # the step: far fewer bytes moved for 8 bytes per parameter of the stage.
+  c.pipeline.gather_weights_once = False
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 1000

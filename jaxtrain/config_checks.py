@@ -79,6 +79,9 @@ def _check_pipeline(config, mesh: MeshShape):
   if p.microbatches < 0:
     raise ConfigError(f"pipeline.microbatches={p.microbatches}: must be >= 0 (0: as many as "
                       f"mesh.stage)")
+  if not isinstance(p.gather_weights_once, bool):
+    raise ConfigError(f"pipeline.gather_weights_once={p.gather_weights_once!r}: must be True or "
+                      f"False")
   stages = mesh.stage
   if stages == 1:
     return

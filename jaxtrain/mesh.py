@@ -236,6 +236,21 @@ def logical_to_spec(names: Sequence[str | None]) -> P:
   return P(*(None if n is None else _RULES[n] for n in names))
 
 
+# The axes that shard weights for storage only (FSDP, and context alongside it): a matmul needs
+# the weight whole along them, so GSPMD gathers it there before each use.
+WEIGHT_STORAGE_AXES = ("fsdp", "context")
+
+
+def gathered_spec(names: Sequence[str | None]) -> P:
+  """PartitionSpec of a weight gathered whole along WEIGHT_STORAGE_AXES (what FSDP gathers before
+  a matmul); its other axes (tensor, stage) stay."""
+  def keep(axes):
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    kept = tuple(a for a in axes if a is not None and a not in WEIGHT_STORAGE_AXES)
+    return kept[0] if len(kept) == 1 else (kept or None)
+  return P(*(None if n is None else keep(_RULES[n]) for n in names))
+
+
 def shard(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   """Constrains an activation's sharding by logical names; a no-op outside a mesh context.
 

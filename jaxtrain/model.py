@@ -29,7 +29,7 @@ from jaxtrain import attention as attention_lib
 from jaxtrain import context_parallel
 from jaxtrain import pipeline as pipeline_lib
 from jaxtrain.config import lora_targets as config_lora_targets, resolve_compute_dtype
-from jaxtrain.mesh import platform_of_backend, shard
+from jaxtrain.mesh import gathered_spec, platform_of_backend, shard
 from jaxtrain.peft import lora as lora_lib
 from jaxtrain.peft.projection import project
 from jaxtrain.peft.quantize import QuantizedWeight
@@ -63,6 +63,7 @@ class ModelConfig:
   # as stages) and circular repeats.
   pipeline_microbatches: int = 0
   pipeline_repeats: int = 1
+  pipeline_gather_weights_once: bool = False
   param_dtype: str = "float32"
   dtype: str = "float32"
   # LoRA / QLoRA (the run config's `lora` group; rank 0 = the plain model, bit for bit).
@@ -113,6 +114,7 @@ class ModelConfig:
                context_load_balance=bool(config.attention.load_balance),
                pipeline_microbatches=config.pipeline.microbatches,
                pipeline_repeats=config.pipeline.repeats,
+               pipeline_gather_weights_once=config.pipeline.gather_weights_once,
                param_dtype=m.param_dtype,
                dtype=resolve_compute_dtype(m.dtype, platform),
                explicit_transpose_for_dw=platform == "cpu", platform=platform, **lora)
@@ -429,6 +431,13 @@ class Llama(nnx.Module):
     def to_microbatches(x):  # [B, ...] -> [M, B/M, ...], microbatch i = rows i, i+M, ...
       return x.reshape(b // m, m, *x.shape[1:]).swapaxes(0, 1)
 
+    if cfg.pipeline_gather_weights_once:
+      # Whole along fsdp/context here, outside the pipeline's loop: one gather per step (and
+      # one reduce-scatter of the gradients) instead of one per microbatch and pass.
+      state = jax.tree.map(
+          lambda v: v.replace(jax.lax.with_sharding_constraint(
+              v[...], gathered_spec(v.get_metadata()["out_sharding"]))),
+          state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     stacked = {"state": state}
     if layer_keys is not None:
       stacked["__keys__"] = layer_keys

@@ -118,7 +118,7 @@ def _config(**settings):
   c = small_config()
   c.model.num_layers = 4
   for key, value in settings.items():
-    group = (c.pipeline if key in ("microbatches", "repeats") else
+    group = (c.pipeline if key in ("microbatches", "repeats", "gather_weights_once") else
              c.train if key == "grad_accum_steps" else c.mesh)
     group[key] = value
   return c
@@ -133,11 +133,28 @@ def one_device_losses():
     ({"stage": 2, "data": 2, "fsdp": 2}, {"microbatches": 4}),
     ({"stage": 2, "fsdp": 2, "tensor": 2}, {"microbatches": 4, "repeats": 2}),
     ({"stage": 4, "fsdp": 2}, {"microbatches": 8}),
-    ({"stage": 2, "data": 2, "fsdp": 2}, {"microbatches": 4, "grad_accum_steps": 2}),
+    ({"stage": 2, "data": 2, "fsdp": 2}, {"microbatches": 4, "grad_accum_steps": 2,
+                                          "gather_weights_once": True}),
 ])
 def test_pipelined_training_losses_equal_one_device(one_device_losses, shape, schedule):
   losses = train_losses(_config(**shape, **schedule), shape)
   np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)
+
+
+def test_fsdp_gathers_each_weight_once_per_step_with_gather_weights_once():
+  """Counted in the compiled step, loops by their trip counts: by default each of a layer's 7
+  fsdp-sharded weights is gathered per layer, iteration and pass (forward, and again in the
+  backward pass's recompute); gathered once, 7 gathers a step replace those 140."""
+  from jaxtrain.dryrun.hlo_flops import executed_ops  # pylint: disable=import-outside-toplevel
+  from jaxtrain.dryrun.measure import compile_step  # pylint: disable=import-outside-toplevel
+  counts = {}
+  for once in (False, True):
+    config = _config(stage=2, fsdp=4, microbatches=4, gather_weights_once=once)
+    config.train.global_batch_size = 16
+    counts[once] = executed_ops(compile_step(config, jax.devices())[0].as_text(), "all-gather")
+  per_layer, layers_per_stage, iterations = 7, 2, pp.iterations(2, 4)
+  per_microbatch = per_layer * layers_per_stage * iterations * 2
+  assert counts[True] == counts[False] - per_microbatch + per_layer, counts
 
 
 @pytest.mark.parametrize("settings,words", [
@@ -203,3 +220,30 @@ def test_llama70b_with_four_stages_compiles_for_h100x64():
   assert "stage=4 fsdp=16" in proc.stdout
   assert proc.stdout.strip().splitlines()[-1].startswith(
       "dry_run: target=h100x64 compiler=gpu devices=64")
+
+
+@pytest.mark.parametrize("by_name,saved", [(False, 0), (True, 6)])
+def test_remat_by_name_saves_the_projections_under_the_stage_vmap(capsys, by_name, saved):
+  """Each stage has its own weights, so the stage vmap batches both operands of every projection
+  and `minimal`'s shape test ("no batch dims") matches none; by checkpoint name it still saves the
+  q/k/v/o/gate/up outputs (down's is the layer's output, kept as the next layer's input)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from jaxtrain.model import ModelConfig, remat_policy  # pylint: disable=import-outside-toplevel
+  from jaxtrain.sharding import create_model  # pylint: disable=import-outside-toplevel
+  from tests.helpers import mesh_of  # pylint: disable=import-outside-toplevel
+  cfg = ModelConfig(vocab_size=53, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+                    head_dim=8, mlp_dim=64, max_position_embeddings=64)
+  graphdef, layers = nnx.split(create_model(cfg, mesh_of((1, 1, 1))).layers)
+  x_SBTD = jnp.ones((2, 2, 16, 32))
+  pos_SBT = jnp.broadcast_to(jnp.arange(16), (2, 2, 16))
+  policy = remat_policy("minimal", by_name=by_name)
+
+  def stages(layers, x_SBTD):
+    def layer(state, x, pos):
+      return nnx.merge(graphdef, state)(x, pos, None)
+    return jnp.sum(jax.vmap(jax.checkpoint(layer, policy=policy))(layers, x_SBTD, pos_SBT))
+  jax.ad_checkpoint.print_saved_residuals(stages, layers, x_SBTD)
+  printed = capsys.readouterr().out
+  names = ["query_proj", "key_proj", "value_proj", "out_proj", "mlp_gate", "mlp_up"]
+  assert sum(f"named '{n}'" in printed for n in names) == saved, printed
+  assert "output of dot_general" not in printed, printed

@@ -1,4 +1,5 @@
-"""Matmul FLOPs of a compiled XLA program, with every loop body counted once per iteration.
+"""Matmul FLOPs (and instruction counts: `executed_ops`) of a compiled XLA program, with every
+loop body counted once per iteration.
 
 `compiled.cost_analysis()["flops"]` counts the body of a while loop once, whatever its trip
 count. A train step with scanned layers, gradient accumulation and a chunked loss is three nested
@@ -48,6 +49,7 @@ class HloFlops:
 @dataclasses.dataclass
 class _Computation:
   dot_flops: float = 0.0
+  ops: dict[str, int] = dataclasses.field(default_factory=dict)  # opcode -> instructions
   calls: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (callee, times)
   choices: list[list[str]] = dataclasses.field(default_factory=list)  # conditionals' branches
   # Loop conditions: the integer constants and whether a `<` compare is among the instructions.
@@ -115,6 +117,7 @@ def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str | None, int, int
     type_str, op_text = _split_type(rest)
     shapes[name] = _dims(type_str)
     opcode = op_text.split("(", 1)[0].strip()
+    current.ops[opcode] = current.ops.get(opcode, 0) + 1
     constant = _INT_CONSTANT.match(rest)
     if constant:
       current.int_constants.append(int(constant.group(1)))
@@ -193,3 +196,21 @@ def count(hlo_text: str) -> HloFlops:
 
   return HloFlops(flops=total(entry) if entry else 0.0, loops=loops,
                   loops_without_trip_count=unknown)
+
+
+def executed_ops(hlo_text: str, opcode: str) -> int:
+  """How many `opcode` instructions (e.g. "all-gather-start") one run of the program executes:
+  each counted as often as its computation runs (loop bodies by trip count, a conditional by its
+  branch with the most)."""
+  computations, entry, _, _ = _parse(hlo_text)
+  memo: dict[str, int] = {}
+
+  def total(name: str) -> int:
+    if name not in memo:
+      comp = computations.get(name)
+      memo[name] = 0 if comp is None else comp.ops.get(opcode, 0) + sum(
+          times * total(callee) for callee, times in comp.calls) + sum(
+              max(total(branch) for branch in branches) for branches in comp.choices)
+    return memo[name]
+
+  return total(entry) if entry else 0
