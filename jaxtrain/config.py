@@ -96,11 +96,13 @@ def default_config() -> ml_collections.ConfigDict:
   # devices each; activations pass from stage to stage (see c.pipeline, docs/parallelism.md).
   c.mesh.stage = 1
   c.mesh.tensor = 1
-  # Multi-host: how many groups of hosts (TPU slices, else processes) the data and fsdp axes
-  # span over the data-center network; each group holds mesh.data/dcn_data x
-  # mesh.fsdp/dcn_fsdp x mesh.tensor devices linked by ICI/NVLink. 1 and 1 in a multi-process
-  # run without slices: one flat mesh over all devices.
+  # Multi-host: how many groups of hosts (TPU slices, else processes) the data, stage and fsdp
+  # axes span over the data-center network; each group holds mesh.data/dcn_data x
+  # mesh.stage/dcn_stage x mesh.fsdp/dcn_fsdp x mesh.context x mesh.tensor devices linked by
+  # ICI/NVLink. All 1 in a multi-process run without slices: one flat mesh over all devices.
+  # Pipeline stages suit the slow links best: only one microbatch's activations cross them.
   c.mesh.dcn_data = 1
+  c.mesh.dcn_stage = 1
   c.mesh.dcn_fsdp = 1
 
   c.pipeline = ml_collections.ConfigDict()

@@ -12,7 +12,8 @@ import os
 from jaxtrain.dryrun import targets
 from jaxtrain.context_parallel import STRATEGIES as CONTEXT_STRATEGIES
 from jaxtrain.pipeline import resolve_microbatches
-from jaxtrain.mesh import BATCH_AXES, MESH_AXES, MeshShape, check_divides, resolve_shape
+from jaxtrain.mesh import (DCN_AXES, MESH_AXES, MeshShape, check_divides,
+                           resolve_shape)
 from jaxtrain.config import (ATTENTION_IMPLS, DTYPES, LORA_TARGETS, OBJECTIVES, REMAT_POLICIES,
                              ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError)
 
@@ -241,7 +242,7 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
 def _check_multihost(config, mesh: MeshShape, num_processes: int | None, num_slices: int):
   """mesh.dcn_*, data.num_shards and distributed.* (see default_config)."""
   dcn = {}
-  for axis in BATCH_AXES:  # the axes that may span host groups (mesh.make_mesh)
+  for axis in DCN_AXES:  # the axes that may span host groups (mesh.make_mesh)
     size, whole = config.mesh[f"dcn_{axis}"], mesh[axis]
     if not isinstance(size, int) or size < 1:
       raise ConfigError(f"mesh.dcn_{axis}={size}: must be a positive number of host groups (1: "
@@ -251,18 +252,22 @@ def _check_multihost(config, mesh: MeshShape, num_processes: int | None, num_sli
                         f"{axis} axis is split into {size} groups across hosts, so make "
                         f"mesh.{axis} a multiple of {size}, e.g. --config.mesh.{axis}={size}")
     dcn[axis] = size
-  product = dcn["data"] * dcn["fsdp"]
+  keys = "*".join(f"mesh.dcn_{a}" for a in DCN_AXES)
+  values = "*".join(str(dcn[a]) for a in DCN_AXES)
+  product = math.prod(dcn.values())
   if num_processes is not None and (product > 1 or num_slices > 1):
     groups, what = (num_slices, "TPU slices") if num_slices > 1 else (num_processes, "processes")
     if groups == 1:
-      raise ConfigError(f"mesh.dcn_data*mesh.dcn_fsdp={dcn['data']}*{dcn['fsdp']}={product}: "
-                        f"this run is a single process, with no other hosts to span; set "
-                        f"mesh.dcn_data=1 and mesh.dcn_fsdp=1 (for multi-process runs)")
+      raise ConfigError(f"{keys}={values}={product}: this run is a single process, with no "
+                        f"other hosts to span; set "
+                        f"{', '.join(f'mesh.dcn_{a}=1' for a in DCN_AXES)} (for multi-process "
+                        f"runs)")
     if product != groups:
-      flat = "" if num_slices > 1 else ", or 1*1 for one flat mesh over all devices"
-      raise ConfigError(f"mesh.dcn_data*mesh.dcn_fsdp={dcn['data']}*{dcn['fsdp']}={product}, but "
-                        f"this run has {groups} {what}; make the product {groups} (e.g. "
-                        f"--config.mesh.dcn_data={groups} with mesh.data a multiple of it){flat}")
+      flat = "" if num_slices > 1 else ", or all 1 for one flat mesh over all devices"
+      raise ConfigError(f"{keys}={values}={product}, but this run has {groups} {what}; make the "
+                        f"product {groups} (e.g. --config.mesh.dcn_data={groups} with mesh.data "
+                        f"a multiple of it, or --config.mesh.dcn_stage={groups} to put pipeline "
+                        f"stages across them){flat}")
   batch, shards = config.train.global_batch_size, config.data.num_shards
   if not isinstance(shards, int) or shards < 0:
     raise ConfigError(f"data.num_shards={shards}: must be >= 0 (0: one shard per process)")

@@ -20,6 +20,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "stage", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
+# The axes that may span host groups over the data-center network (mesh.dcn_*): the batch axes,
+# whose collectives are one gradient reduction a step, and pipeline stages, which pass one
+# microbatch's activations between neighbours.
+DCN_AXES = ("data", "stage", "fsdp")
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated). Every logical name used by
 # the model must appear: flax treats an unknown name as a mesh-axis name and fails.
@@ -157,11 +161,11 @@ def make_mesh(shape: Mapping[str, int] | MeshShape | None = None,
   """The mesh over `devices` (default: all) with the axis sizes of `shape` (axes not named: 1;
   one may be -1: the rest of the devices; default: fsdp over all of them).
 
-  With `dcn` sizes > 1 (data and fsdp only) the mesh is hybrid: the devices form prod(dcn)
-  groups (TPU slices, or processes where devices have no slices, as on GPU hosts and CPU), each
-  laid out as shape/dcn over its fast interconnect (ICI, NVLink), and the groups are tiled along
-  those axes, so only they cross the slower data-center network. Tensor parallelism never
-  leaves a group.
+  With `dcn` sizes > 1 (DCN_AXES only) the mesh is hybrid: the devices form prod(dcn) groups
+  (TPU slices, or processes where devices have no slices, as on GPU hosts and CPU), each laid
+  out as shape/dcn over its fast interconnect (ICI, NVLink), and the groups are tiled along
+  those axes, so only they cross the slower data-center network. Tensor and context
+  parallelism never leave a group.
 
   Axes are Auto (GSPMD propagation): the model states shardings for params and a few activation
   constraints, and XLA chooses the collectives.
@@ -174,21 +178,28 @@ def make_mesh(shape: Mapping[str, int] | MeshShape | None = None,
   if math.prod(s for _, s in shape.items()) != len(devices):
     raise ValueError(f"mesh {shape.describe()} has {math.prod(s for _, s in shape.items())} "
                      f"devices, but {len(devices)} are present")
-  sizes = tuple(s for _, s in shape.items())
-  dcn_sizes = tuple(int((dcn or {}).get(a, 1)) for a in MESH_AXES)
-  unknown = sorted(set(dcn or {}) - set(BATCH_AXES))
-  if unknown:
-    raise ValueError(f"only {BATCH_AXES} may span host groups, got dcn axes {unknown}")
   axis_types = (AxisType.Auto,) * len(MESH_AXES)
-  if math.prod(dcn_sizes) == 1:
+  if math.prod(int(s) for s in (dcn or {}).values()) == 1:
+    sizes = tuple(s for _, s in shape.items())
     return jax.make_mesh(sizes, MESH_AXES, axis_types=axis_types, devices=devices)
+  return Mesh(hybrid_device_grid(shape, devices, dcn), MESH_AXES, axis_types=axis_types)
+
+
+def hybrid_device_grid(shape: MeshShape, devices: Sequence, dcn: Mapping[str, int]) -> np.ndarray:
+  """The devices as an array of shape `shape` (MESH_AXES order) in which each axis in `dcn` is
+  split into that many host groups (slices, else processes) and every other axis stays within
+  one group: the layout of `make_mesh(shape, devices, dcn=dcn)`."""
+  unknown = sorted(set(dcn) - set(DCN_AXES))
+  if unknown:
+    raise ValueError(f"only {DCN_AXES} may span host groups, got dcn axes {unknown}")
+  sizes = tuple(s for _, s in shape.items())
+  dcn_sizes = tuple(int(dcn.get(a, 1)) for a in MESH_AXES)
   if any(s % d for s, d in zip(sizes, dcn_sizes)):
     raise ValueError(f"mesh {shape.describe()} is not divisible by the host groups "
                      f"{dict(zip(MESH_AXES, dcn_sizes))}")
   ici = tuple(s // d for s, d in zip(sizes, dcn_sizes))
-  grid = mesh_utils.create_hybrid_device_mesh(
+  return mesh_utils.create_hybrid_device_mesh(
       ici, dcn_sizes, devices, process_is_granule=num_slices(devices) == 1)
-  return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def platform_of_backend(name: str) -> str:

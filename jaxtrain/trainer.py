@@ -30,7 +30,7 @@ from jaxtrain import metrics as metrics_lib
 from jaxtrain import pipeline, preflight
 from jaxtrain.mesh import MeshShape
 from jaxtrain.health import LossSpikeDetector, check_bad_streak
-from jaxtrain.mesh import batch_sharding, make_mesh
+from jaxtrain.mesh import DCN_AXES, batch_sharding, make_mesh
 from jaxtrain.model import ModelConfig
 from jaxtrain.train_setup import Setup, build
 from jaxtrain.train_step import TrainState
@@ -142,7 +142,7 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
   Raises preflight.DoesNotFitError, before allocating or writing anything, when the step cannot
   fit the devices' memory (`config_path` goes into the message's dry-run command).
   """
-  mesh = make_mesh(mesh_shape, dcn={"data": config.mesh.dcn_data, "fsdp": config.mesh.dcn_fsdp})
+  mesh = make_mesh(mesh_shape, dcn={axis: config.mesh[f"dcn_{axis}"] for axis in DCN_AXES})
   setup = build(config, mesh)
   # Compiled on abstract inputs and checked against the devices' memory; the loop runs it.
   setup = dataclasses.replace(setup, train_step=preflight.check(config, setup, config_path))

@@ -1,11 +1,14 @@
 """The mesh as data: axes by name, one resolver, divisibility rules derived from LOGICAL_RULES."""
 
-import jax
-import pytest
+import dataclasses
 from types import SimpleNamespace
 
+import jax
+import numpy as np
+import pytest
+
 from jaxtrain.mesh import (BATCH_AXES, LOGICAL_RULES, MESH_AXES, MeshShape, check_divides,
-                           make_mesh, resolve_shape)
+                           hybrid_device_grid, make_mesh, resolve_shape)
 
 
 def test_sizes_are_looked_up_by_name_and_unnamed_axes_are_1():
@@ -50,3 +53,24 @@ def test_make_mesh_defaults_to_fsdp_and_keeps_tensor_within_a_host_group():
   assert mesh.axis_names == MESH_AXES and set(BATCH_AXES) <= set(MESH_AXES)
   with pytest.raises(ValueError, match="may span host groups"):
     make_mesh({"tensor": 8}, dcn={"tensor": 2})
+
+
+def test_dcn_stage_puts_each_stage_within_one_host_group():
+  """8 devices on 2 hosts, stage=2 with dcn_stage=2 and fsdp=4: each stage's fsdp group is one
+  host's devices, so only the pipeline's activations cross hosts. (Fake devices: one process
+  here cannot form two host groups; the layout is what make_mesh builds its Mesh from.)"""
+  @dataclasses.dataclass(frozen=True)
+  class HostDevice:
+    id: int
+    process_index: int
+    platform: str = "cpu"
+    device_kind: str = "cpu"
+  devices = [HostDevice(i, i // 4) for i in range(8)]
+  grid = hybrid_device_grid(MeshShape(stage=2, fsdp=4), devices, {"stage": 2})
+  hosts_SF = np.vectorize(lambda d: d.process_index)(grid).reshape(2, 4)
+  assert hosts_SF.tolist() == [[0, 0, 0, 0], [1, 1, 1, 1]]
+  # Across hosts by fsdp instead: every stage spans both hosts.
+  grid = hybrid_device_grid(MeshShape(stage=2, fsdp=4), devices, {"fsdp": 2})
+  assert np.vectorize(lambda d: d.process_index)(grid).reshape(2, 4).tolist() == [[0, 0, 1, 1]] * 2
+  with pytest.raises(ValueError, match="may span host groups"):
+    hybrid_device_grid(MeshShape(context=8), devices, {"context": 2})

@@ -80,8 +80,9 @@ BAD = [
                                                   "multiple of 2"]),
     ({"mesh.dcn_fsdp": 3, "mesh.fsdp": 4, "mesh.data": 2}, 3, 1, ["mesh.dcn_fsdp=3",
                                                                   "mesh.fsdp=4"]),
-    ({"mesh.dcn_data": 2, "mesh.data": 2, "mesh.fsdp": -1}, 4, 1, ["mesh.dcn_data*mesh.dcn_fsdp",
-                                                                   "=2", "4 processes"]),
+    ({"mesh.dcn_data": 2, "mesh.data": 2, "mesh.fsdp": -1}, 4, 1,
+     ["mesh.dcn_data*mesh.dcn_stage*mesh.dcn_fsdp=2*1*1=2", "4 processes"]),
+    ({"mesh.dcn_stage": 2, "mesh.stage": 1}, 2, 1, ["mesh.dcn_stage=2", "mesh.stage=1"]),
     ({"mesh.dcn_data": 2, "mesh.data": 2, "mesh.fsdp": -1}, 1, 1, ["single process",
                                                                    "mesh.dcn_data=1"]),
     ({"mesh.data": 2, "mesh.fsdp": -1}, 2, 2, ["=1", "2 TPU slices"]),
@@ -121,6 +122,9 @@ def test_good_multihost_configs_validate():
   validate(config, 8, num_processes=4)  # 1*1: one flat mesh over the processes
   config.mesh.dcn_data = 2
   validate(config, 8)  # dry runs (no process count) do not check the host groups
+  # Pipeline stages across the hosts, the rest within each.
+  config.mesh.data, config.mesh.stage, config.mesh.dcn_data, config.mesh.dcn_stage = 1, 2, 1, 2
+  assert validate(config, 8, num_processes=2).stage == 2
 
 
 def test_hybrid_mesh_needs_as_many_groups_as_dcn_axes():
