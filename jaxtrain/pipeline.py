@@ -135,7 +135,10 @@ def pipeline(stage_fn: Callable, stage_layers: Any, x_M: jax.Array, carried_M: A
     layers_S = jax.tree.map(
         lambda p: jax.vmap(lambda ps, r: jax.lax.dynamic_index_in_dim(ps, r, 0, False))(p, r_S),
         stage_layers)
-    new_S = jax.vmap(stage_fn)(layers_S, inputs_S, carried_S)
+    # spmd_axis_name: the model's sharding constraints inside a stage keep the stage dim on
+    # `stage` (left unconstrained, propagation may pick otherwise).
+    new_S = jax.vmap(stage_fn, spmd_axis_name=AXIS if stage_count() > 1 else None)(
+        layers_S, inputs_S, carried_S)
     # Idle stages (filling or draining) give zeros: what they compute is never read, and zeros
     # keep it finite. Masked in here, so remat keeps the [S] flags rather than a full-size mask.
     return jnp.where(active_S.reshape((-1,) + (1,) * (new_S.ndim - 1)), new_S, 0)

@@ -2,6 +2,8 @@
 order, for plain and circular schedules; distinct microbatches; the scan length; the
 collective-permutes over `stage`; the layer order of `to_stages`."""
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,13 +134,39 @@ def one_device_losses():
 @pytest.mark.parametrize("shape,schedule", [
     ({"stage": 2, "data": 2, "fsdp": 2}, {"microbatches": 4}),
     ({"stage": 2, "fsdp": 2, "tensor": 2}, {"microbatches": 4, "repeats": 2}),
-    ({"stage": 4, "fsdp": 2}, {"microbatches": 8}),
-    ({"stage": 2, "data": 2, "fsdp": 2}, {"microbatches": 4, "grad_accum_steps": 2,
-                                          "gather_weights_once": True}),
+    # Also: accumulation folded into the pipeline's microbatches, weights gathered once a step.
+    ({"stage": 4, "fsdp": 2}, {"microbatches": 8, "grad_accum_steps": 2,
+                               "gather_weights_once": True}),
 ])
 def test_pipelined_training_losses_equal_one_device(one_device_losses, shape, schedule):
   losses = train_losses(_config(**shape, **schedule), shape)
   np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)
+
+
+def test_dpo_with_lora_adapters_under_stages_equals_one_device():
+  """Adapters train, the frozen base (the DPO reference) runs through the same pipeline, and the
+  chosen and rejected rows travel in the microbatches: per-step losses equal one device's."""
+  from jaxtrain import train_setup, trainer  # pylint: disable=import-outside-toplevel
+  from tests.helpers import mesh_of  # pylint: disable=import-outside-toplevel
+  from tests.test_lora_training import _dpo_batch, _lora_config  # pylint: disable=import-outside-toplevel
+
+  def losses(shape, microbatches):
+    config = _lora_config(objective="dpo")
+    config.train.seq_len, config.pipeline.microbatches = 32, microbatches
+    for axis, size in shape.items():
+      config.mesh[axis] = size
+    setup = train_setup.build(config, mesh_of(shape))
+    state, out = train_setup.init_state(setup, seed=0), []
+    with jax.set_mesh(setup.mesh):
+      for step in range(3):
+        batch = trainer.to_global_batch(_dpo_batch(seed=step), setup.mesh)
+        state, metrics = setup.train_step(state, batch)
+        out.append(float(metrics["loss"]))
+    return out
+  one = losses({"fsdp": 1}, 0)
+  piped = losses({"stage": 2, "fsdp": 2, "tensor": 2}, 4)
+  assert one[-1] < one[0]  # the adapters learn: the steps compared are not all log 2
+  np.testing.assert_allclose(piped, one, rtol=1e-5)
 
 
 def test_fsdp_gathers_each_weight_once_per_step_with_gather_weights_once():
@@ -195,16 +223,28 @@ def _cli_losses(workdir, *args, devices=None):
 
 
 @pytest.mark.slow
-def test_cli_pipelined_runs_log_one_device_losses(tmp_path):
+def test_cli_circular_run_logs_one_device_losses_and_checkpoints_cross_meshes(tmp_path):
   """The circular schedule from the command line (the plain one trains the same mesh in
-  test_pipelined_training_losses_equal_one_device)."""
-  _, one = _cli_losses(tmp_path / "one")
-  out, circular = _cli_losses(tmp_path / "circular", *PIPELINED, "--config.pipeline.repeats=2",
-                              devices=8)
+  test_pipelined_training_losses_equal_one_device); its checkpoint resumes on one device, and a
+  one-device checkpoint resumes under stages: the stored layer order is the model's."""
+  every_2 = "--config.checkpoint.every_steps=2"
+  circular = [*PIPELINED, "--config.pipeline.repeats=2"]
+  _, one = _cli_losses(tmp_path / "one", every_2)
+  assert len(one) == 4
+  out, first = _cli_losses(tmp_path / "piped", *circular, every_2, "--config.train.steps=2",
+                           devices=8)
   assert ("2 stages × 2 layers each (in 2 groups), 4 microbatches of 1 seq per device (grad "
           "accum within them), bubble 11.1%") in out, out
-  assert len(one) == 4
-  np.testing.assert_allclose(circular, one, rtol=1e-5)
+  np.testing.assert_allclose(first, one[:2], rtol=1e-5)
+  out, resumed = _cli_losses(tmp_path / "piped", every_2)
+  assert "resumed from step 2" in out
+  np.testing.assert_allclose(resumed[-2:], one[2:], rtol=1e-5)
+  # Back: the one-device run's step-2 checkpoint, continued under stages.
+  shutil.copytree(tmp_path / "one", tmp_path / "back")
+  shutil.rmtree(tmp_path / "back" / "checkpoints" / "4")
+  out, back = _cli_losses(tmp_path / "back", *circular, every_2, devices=8)
+  assert "resumed from step 2" in out
+  np.testing.assert_allclose(back[-2:], one[2:], rtol=1e-5)
 
 
 @pytest.mark.slow
