@@ -103,6 +103,32 @@ def _constrain(x, lead: str | None, names: Sequence[str | None] | None):
   return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(lead, *rest))
 
 
+@jax.custom_vjp
+def _pick_groups(p_SR, r_S):
+  """p_SR[s, r_S[s]] for every stage s: [S, R, ...] -> [S, ...], each stage its pass's group."""
+  if p_SR.shape[1] == 1:
+    return p_SR[:, 0]
+  return jax.vmap(lambda p, r: jax.lax.dynamic_index_in_dim(p, r, 0, False))(p_SR, r_S)
+
+
+def _pick_groups_fwd(p_SR, r_S):
+  return _pick_groups(p_SR, r_S), (r_S, jnp.zeros((0,) + p_SR.shape[1:], p_SR.dtype))
+
+
+def _pick_groups_bwd(residuals, ct_S):
+  """The cotangent into the picked group by a one-hot product (local to each stage's devices):
+  autodiff's own transpose, a scatter with per-stage offsets, becomes all-to-alls over `stage`
+  in every iteration of the backward pass (9 per iteration on the tiny model)."""
+  r_S, like = residuals
+  onehot_SR = jax.nn.one_hot(r_S, like.shape[1], dtype=ct_S.dtype)
+  onehot_SR = onehot_SR.reshape(onehot_SR.shape + (1,) * (ct_S.ndim - 1))
+  # Each stage's part stays on its devices (left to propagation, XLA gathered it over `stage`).
+  return _constrain(onehot_SR * _constrain(ct_S, AXIS, None)[:, None], AXIS, None), None
+
+
+_pick_groups.defvjp(_pick_groups_fwd, _pick_groups_bwd)
+
+
 def pipeline(stage_fn: Callable, stage_layers: Any, x_M: jax.Array, carried_M: Any = None, *,
              repeats: int = 1, remat: bool = False,
              names: Sequence[str | None] | None = None) -> jax.Array:
@@ -132,9 +158,7 @@ def pipeline(stage_fn: Callable, stage_layers: Any, x_M: jax.Array, carried_M: A
   def run_stages(stage_layers, r_S, active_S, inputs_S, carried_S):
     # The pass's group is picked inside, from the loop-invariant `stage_layers`: picked outside,
     # each iteration's pick would be a residual of its own (a copy of the weights per iteration).
-    layers_S = jax.tree.map(
-        lambda p: jax.vmap(lambda ps, r: jax.lax.dynamic_index_in_dim(ps, r, 0, False))(p, r_S),
-        stage_layers)
+    layers_S = jax.tree.map(lambda p: _pick_groups(p, r_S), stage_layers)
     # spmd_axis_name: the model's sharding constraints inside a stage keep the stage dim on
     # `stage` (left unconstrained, propagation may pick otherwise).
     new_S = jax.vmap(stage_fn, spmd_axis_name=AXIS if stage_count() > 1 else None)(

@@ -170,19 +170,24 @@ def test_dpo_with_lora_adapters_under_stages_equals_one_device():
 
 
 def test_fsdp_gathers_each_weight_once_per_step_with_gather_weights_once():
-  """Counted in the compiled step, loops by their trip counts: by default each of a layer's 7
-  fsdp-sharded weights is gathered per layer, iteration and pass (forward, and again in the
-  backward pass's recompute); gathered once, 7 gathers a step replace those 140."""
+  """Counted in the compiled circular step (M=4, R=2: 9 iterations of 1-layer groups), loops by
+  their trip counts. By default each of a layer's 7 fsdp-sharded weights is gathered per
+  iteration and pass (forward, and the backward pass's recompute); gathered once, fewer than
+  two gathers per weight remain. Either way the 9 stacked leaves move to the circular order
+  with one all-to-all each per step, never per iteration."""
   from jaxtrain.dryrun.hlo_flops import executed_ops  # pylint: disable=import-outside-toplevel
   from jaxtrain.dryrun.measure import compile_step  # pylint: disable=import-outside-toplevel
-  counts = {}
+  gathers, all_to_alls = {}, {}
   for once in (False, True):
-    config = _config(stage=2, fsdp=4, microbatches=4, gather_weights_once=once)
+    config = _config(stage=2, fsdp=4, microbatches=4, repeats=2, gather_weights_once=once)
     config.train.global_batch_size = 16
-    counts[once] = executed_ops(compile_step(config, jax.devices())[0].as_text(), "all-gather")
-  per_layer, layers_per_stage, iterations = 7, 2, pp.iterations(2, 4)
-  per_microbatch = per_layer * layers_per_stage * iterations * 2
-  assert counts[True] == counts[False] - per_microbatch + per_layer, counts
+    hlo = compile_step(config, jax.devices())[0].as_text()
+    gathers[once], all_to_alls[once] = (executed_ops(hlo, "all-gather"),
+                                        executed_ops(hlo, "all-to-all"))
+  weights = 7
+  assert gathers[False] >= weights * pp.iterations(2, 4, 2) * 2, gathers
+  assert gathers[True] < weights * 2, gathers
+  assert all_to_alls == {False: 9, True: 9}, all_to_alls
 
 
 @pytest.mark.parametrize("settings,words", [
