@@ -12,7 +12,9 @@ from jaxtrain.sharding import abstract_model, init_params
 from jaxtrain.train_step import make_grad_fn
 from tests.helpers import mesh_of, packed_batch, small_config
 
-MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
+# The last: pipeline stages (2 microbatches, the default for 2 stages) against the plain scan.
+MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4),
+          {"stage": 2, "fsdp": 2, "tensor": 2}]
 
 
 def _loss_and_grads(config, mesh_shape, batch, grad_accum_steps=1):
