@@ -11,6 +11,7 @@ import os
 
 from jaxtrain.dryrun import targets
 from jaxtrain.context_parallel import STRATEGIES as CONTEXT_STRATEGIES
+from jaxtrain import objectives
 from jaxtrain.pipeline import resolve_microbatches
 from jaxtrain.mesh import (DCN_AXES, MESH_AXES, MeshShape, check_divides,
                            resolve_shape)
@@ -33,10 +34,10 @@ def _check_cudnn_lengths(config, platform: str):
   if platform != "gpu" or impl not in ("cudnn", "auto"):
     return
   t = config.train
-  length = t.seq_len + 1 if t.objective == "dpo" else t.seq_len
+  objective = objectives.get(config)
+  length = objective.row_length(t.seq_len)
   if length % 2:
-    row = (f"a DPO row is train.seq_len + 1 = {length} tokens" if t.objective == "dpo"
-           else f"rows are {length} tokens")
+    row = objective.describe_row(t.seq_len)
     raise ConfigError(f"train.seq_len={t.seq_len}: {row}, and cuDNN attention (attention.impl="
                       f"{impl!r} on GPU) needs an even length; use train.seq_len="
                       f"{t.seq_len - 1}, or attention.impl='pallas'")
@@ -57,15 +58,16 @@ def _check_context(config, mesh: MeshShape):
                       "set --config.mesh.context to 2 or more, or use 'all_gather'")
   if shards == 1:
     return
-  length = t.seq_len + 1 if t.objective == "dpo" else t.seq_len
+  objective = objectives.get(config)
+  length = objective.row_length(t.seq_len)
+  extra = length - t.seq_len  # tokens a row has beyond train.seq_len (DPO: 1)
   parts = 2 * shards if a.load_balance else shards
   if length % parts:
-    row = (f"a DPO row (train.seq_len + 1 = {length} tokens)" if t.objective == "dpo"
-           else f"a sequence of {length} tokens")
+    row = objective.describe_row(t.seq_len)
     how = (f"2*mesh.context = {parts} chunks (the load-balanced layout: device i holds chunks i "
            f"and {parts - 1}-i)" if a.load_balance else f"mesh.context = {parts} parts")
-    fix = (length // parts) * parts - (1 if t.objective == "dpo" else 0)
-    fix = fix if fix > 0 else parts - (1 if t.objective == "dpo" else 0)
+    fix = (length // parts) * parts - extra
+    fix = fix if fix > 0 else parts - extra
     other = (", or attention.load_balance=False (contiguous parts, slower causal attention)"
              if a.load_balance and length % shards == 0 else "")
     raise ConfigError(f"train.seq_len={t.seq_len}: {row} does not split into {how}; use "
@@ -171,6 +173,7 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
     raise ConfigError(f"attention.impl='pallas': the kernels compile for GPU or TPU, this backend "
                       f"is {platform!r}; set attention.interpret=True to run them in the Pallas "
                       f"interpreter (slow, for tests), or use 'xla'")
+  _check_finetuning(config)  # the objective first: the length checks ask it for its rows
   _check_cudnn_lengths(config, platform)
   for key in ("block_q", "block_k"):
     if config.attention[key] < 0:
@@ -188,7 +191,6 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
     raise ConfigError(f"optim.state_dtype={config.optim.state_dtype!r}: choose one of "
                       f"{', '.join(STATE_DTYPES)}")
   _check_host_memory(config, platform)
-  _check_finetuning(config)
   if m.num_heads % m.num_kv_heads:
     raise ConfigError(f"model.num_kv_heads={m.num_kv_heads}: must divide model.num_heads="
                       f"{m.num_heads} (grouped-query attention); pick a divisor of it")

@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxtrain import optim
+from jaxtrain import objectives, optim
 from jaxtrain.checkpoint import abstract_like
 from jaxtrain.config import ConfigError
 from jaxtrain.mesh import mesh_platform
 from jaxtrain.model import ModelConfig
+from jaxtrain.objectives import LanguageModel, Objective
 from jaxtrain.sharding import abstract_model, init_params_fn
 from jaxtrain.train_step import (Frozen, TrainState, jit_eval_step, jit_train_step,
                                  make_eval_step, make_train_step, state_shardings)
@@ -43,7 +44,7 @@ class Setup:
   base_init_fn: Callable[[jax.Array], Any]  # key -> random plain params, on their shardings
   # Plain params -> the frozen weights (LoRA base, DPO reference); None when nothing is frozen.
   make_frozen: Callable[[Any], Frozen] | None
-  objective: str = "lm"
+  objective: Objective = dataclasses.field(default_factory=LanguageModel)
   abstract_params: Any = None  # the trained params (or adapters), shapes with shardings
   frozen_shardings: Frozen | None = None
 
@@ -80,7 +81,7 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
   dry run models an accelerator's dtype and attention while compiling for CPU).
   """
   model_cfg = model_cfg or ModelConfig.from_config(config, platform=mesh_platform(mesh))
-  objective = config.train.objective
+  objective = objectives.get(config)
   graphdef, abstract_params, param_shardings, abstract_rest, rest_shardings = _split_model(
       model_cfg, mesh)
   lora = model_cfg.lora_rank > 0
@@ -104,7 +105,7 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
     make_frozen = jax.jit(lambda base: Frozen(base=peft.frozen_from_base(base, model_cfg)),
                           out_shardings=frozen_shardings,
                           donate_argnums=0 if model_cfg.base_quant == "none" else ())
-  elif objective == "dpo":
+  elif objective.uses_reference:
     # Full fine-tuning: the reference is a frozen copy of the initial params.
     frozen_shardings = Frozen(reference=param_shardings)
     make_frozen = jax.jit(lambda base: Frozen(reference=base), out_shardings=frozen_shardings,
@@ -126,10 +127,10 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
                          grad_accum_steps=config.train.grad_accum_steps,
                          loss_chunk_size=config.train.loss_chunk_size,
                          param_shardings=param_shardings, objective=objective,
-                         dpo_beta=config.dpo.beta, dropout_seed=dropout_seed)
+                         dropout_seed=dropout_seed)
   train_step = jit_train_step(step, full_shardings, mesh)
   eval_step = jit_eval_step(make_eval_step(graphdef, config.train.loss_chunk_size,
-                                           objective=objective, dpo_beta=config.dpo.beta),
+                                           objective=objective),
                             param_shardings, mesh, frozen_shardings)
   return Setup(mesh, model_cfg, graphdef, shardings, init_fn, state_from_params, train_step,
                eval_step, abstract_base, base_init_fn, make_frozen, objective,

@@ -16,7 +16,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
-from jaxtrain import dpo as dpo_lib
+from jaxtrain import objectives
 from jaxtrain.cross_entropy import chunked_cross_entropy
 from jaxtrain.mesh import batch_sharding, replicated, shard
 from jaxtrain.pipeline import stage_count
@@ -66,38 +66,12 @@ def loss_sum_fn(params, graphdef, batch: Batch, loss_chunk_size: int, frozen=Non
                                model.cfg.explicit_transpose_for_dw)
 
 
-def make_loss_sums(graphdef, *, objective: str = "lm", loss_chunk_size: int = 512,
+def make_loss_sums(graphdef, *, objective="lm", loss_chunk_size: int = 512,
                    dpo_beta: float = 0.1) -> tuple[Callable, Callable]:
   """(`constants(params, frozen, batch)`, `loss_sums(params, frozen, batch, constants,
-  dropout_key) -> (loss sum, count, {metric: sum})`).
-
-  `constants` is what the loss needs but never differentiates (DPO: the reference's log-probs),
-  computed outside the differentiated function. Sums are over the batch's units (loss tokens
-  for "lm", preference pairs for "dpo"), so microbatches add up to the full batch and one
-  division gives the mean.
-  """
-  if objective == "lm":
-    def lm_sums(params, frozen, batch, constants, dropout_key):
-      del constants
-      loss_sum, count = loss_sum_fn(params, graphdef, batch, loss_chunk_size, frozen,
-                                    dropout_key)
-      return loss_sum, count, {}
-    return (lambda params, frozen, batch: None), lm_sums
-  if objective == "dpo":
-    def reference_logprobs(params, frozen, batch):
-      if frozen is not None and frozen.reference is not None:
-        reference = merge_model(graphdef, frozen.reference, frozen)
-      else:
-        # LoRA: the reference is the base with its adapters off; zero adapters add exactly 0.
-        reference = merge_model(graphdef, jax.tree.map(jnp.zeros_like, params), frozen)
-      return dpo_lib.reference_logprobs(reference, batch, chunk_size=loss_chunk_size)
-
-    def dpo_sums(params, frozen, batch, reference, dropout_key):
-      policy = merge_model(graphdef, params, frozen)
-      return dpo_lib.dpo_sums(policy, reference, batch, dpo_beta, chunk_size=loss_chunk_size,
-                              dropout_key=dropout_key)
-    return reference_logprobs, dpo_sums
-  raise ValueError(f"unknown objective {objective!r}")
+  dropout_key) -> (loss sum, count, {metric: sum})`) of `objective` (an Objective, or its name
+  with `dpo_beta` for "dpo"): see jaxtrain.objectives.base.Objective.loss_sums."""
+  return objectives.get(objective, dpo_beta=dpo_beta).loss_sums(graphdef, loss_chunk_size)
 
 
 def _split_microbatches(batch: Batch, steps: int) -> Batch:

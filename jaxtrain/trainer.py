@@ -20,9 +20,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from jaxtrain import data as data_lib
-from jaxtrain import dpo as dpo_lib
-from jaxtrain.data import preference as preference_data
 from jaxtrain.data import shards as data_shards
 from jaxtrain.checkpoint import Checkpointer, abstract_like, load_params
 from jaxtrain import host_memory
@@ -32,6 +29,7 @@ from jaxtrain.mesh import MeshShape
 from jaxtrain.health import LossSpikeDetector, check_bad_streak
 from jaxtrain.mesh import DCN_AXES, batch_sharding, make_mesh
 from jaxtrain.model import ModelConfig
+from jaxtrain.objectives import Objective
 from jaxtrain.train_setup import Setup, build
 from jaxtrain.train_step import TrainState
 
@@ -61,9 +59,10 @@ def evaluate(setup: Setup, state: TrainState, eval_batches: Iterable[dict]) -> d
 
 def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConfig,
                  peak: float | None, peak_source: str, packing: float | None,
-                 data_rows: list[tuple[str, str]]) -> str:
+                 data_rows: list[tuple[str, str]], objective: Objective) -> str:
   t = config.train
-  flops_per_token = metrics_lib.flops_per_token(model_cfg, t.seq_len)
+  flops_per_token = (objective.flops_per_step(config, model_cfg)
+                     / objective.tokens_per_step(config))
   devices = jax.devices()
   n = len(devices)
   tokens = t.global_batch_size * t.seq_len
@@ -109,19 +108,12 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
                             f"params ({100 * counts.trainable / counts.total:.2f}%)"))
     rows.append(("frozen base", f"{metrics_lib.format_count(counts.frozen_bytes)}B in "
                                 f"{model_cfg.param_dtype}{quant}"))
-  if t.objective == "dpo":
-    # A row is one response: each pair is two rows of T+1 tokens (prompt + response).
-    reference = ("the base with adapters off" if model_cfg.lora_rank
-                 else "frozen initial params")
-    rows[-2:] = [
-        ("global batch", f"{t.global_batch_size} preference pairs × 2 responses × "
-                         f"{t.seq_len + 1} tokens"),
-        ("per-device batch", f"{per_device:g} pairs (grad accum {t.grad_accum_steps})"),
-        ("objective", f"DPO, beta {config.dpo.beta}; reference: {reference}"),
-    ]
+  objective_rows = objective.batch_rows(config, model_cfg, per_device)
+  if objective_rows is not None:  # in place of the language-model batch rows
+    rows[-2:] = objective_rows
   rows += [
       ("FLOPs per token", f"{metrics_lib.format_count(flops_per_token)} "
-                          f"(6·N_matmul + 6·L·T·H·E)"),
+                          f"(6·N_matmul + 6·L·T·H·E{objective.flops_note()})"),
       ("peak FLOP/s", f"{metrics_lib.format_count(peak) if peak else 'n/a'} total; "
                       f"{peak_source}"),
       ("dtypes", f"params {model_cfg.param_dtype}, compute {model_cfg.dtype}"),
@@ -149,29 +141,26 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
   t = config.train
   is_chief = jax.process_index() == 0
 
-  dpo = t.objective == "dpo"
-  # Language-model batches (packed documents) or preference pairs: the same three functions.
-  data_source = preference_data if dpo else data_lib
+  objective = setup.objective
+  # The objective's batches (packed documents, preference pairs): the same three functions.
+  data_source = objective.data_module()
   # This process reads only the data shards whose batch rows its devices hold.
   shard_plan = data_shards.plan_for_mesh(config, mesh)
   train_iter = shard_plan.train_iterator(data_source.make_train_iterator, config)
   eval_batches = shard_plan.eval_batches(data_source.make_eval_batches, config)
   peak, peak_source = metrics_lib.peak_flops_for_devices(jax.devices())
-  flops_per_token = metrics_lib.flops_per_token(setup.model_cfg, t.seq_len)
-  tokens_per_step = t.global_batch_size * t.seq_len
-  if dpo:
-    # Both responses of every pair, and the reference's forward pass (1/3 of a fwd + bwd).
-    tokens_per_step, flops_per_token = 2 * tokens_per_step, flops_per_token * 4 / 3
+  tokens_per_step = objective.tokens_per_step(config)
+  flops_per_token = objective.flops_per_step(config, setup.model_cfg) / tokens_per_step
   ckpt = _checkpointer(config, workdir)
   state, start_step = _restore_or_init(setup, ckpt, train_iter, t.seed,
                                        config.checkpoint.init_from)
   # Taken after any restore: the iterator then continues where the checkpoint left it.
   first_batch = next(train_iter)
-  packing = None if dpo else data_lib.packing_stats([first_batch])["packing_efficiency"]
+  packing = objective.packing_efficiency(first_batch)
   writer = None
   if is_chief:
     print(_start_table(config, mesh, mesh_shape, setup.model_cfg, peak, peak_source, packing,
-                       data_source.summary(config)), flush=True)
+                       data_source.summary(config), objective), flush=True)
     if start_step:
       print(f"resumed from step {start_step}: {ckpt.directory}/{start_step}", flush=True)
       _drop_metrics_after(workdir, start_step)
@@ -208,7 +197,8 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
           check_bad_streak(streak, step - 1, t.max_consecutive_bad_steps, ckpt)
         previous_streak = step_metrics["bad_streak"]
         if pending is not None:
-          last.update(_log(writer, meter, spikes, *pending, skipped_steps=skipped_steps))
+          last.update(_log(writer, meter, spikes, *pending, skipped_steps=skipped_steps,
+                           metric_names=objective.metric_names))
           pending = None
         if step % t.log_every == 0 or step == t.steps:
           pending = (step, step_metrics)
@@ -236,7 +226,8 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
       if previous_streak is not None:
         skipped_steps += int(previous_streak) > 0
       if pending is not None:
-        last.update(_log(writer, meter, spikes, *pending, skipped_steps=skipped_steps))
+        last.update(_log(writer, meter, spikes, *pending, skipped_steps=skipped_steps,
+                         metric_names=objective.metric_names))
       if previous_streak is not None and "preempted_at" not in last:
         check_bad_streak(int(previous_streak), t.steps, t.max_consecutive_bad_steps, ckpt)
   finally:
@@ -419,7 +410,7 @@ class _Throughput:
 
 
 def _log(writer, meter: _Throughput, spikes: LossSpikeDetector, step: int, device_metrics, *,
-         skipped_steps: int = 0) -> dict[str, float]:
+         skipped_steps: int = 0, metric_names: tuple[str, ...] = ()) -> dict[str, float]:
   m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
   spike = spikes.update(m["loss"])
   if spike and writer:
@@ -428,7 +419,7 @@ def _log(writer, meter: _Throughput, spikes: LossSpikeDetector, step: int, devic
             "grad_norm": m["grad_norm"], **meter.measure(step), "tokens": m["tokens"],
             "skipped": m["skipped"], "skipped_steps": skipped_steps,
             "loss_spikes": spikes.spikes}
-  record.update({k: m[k] for k in dpo_lib.METRIC_NAMES if k in m})
+  record.update({k: m[k] for k in metric_names if k in m})
   if writer:
     writer.write_train(step, record)
   return {"loss": m["loss"]}

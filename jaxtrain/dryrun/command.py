@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from jaxtrain import metrics, pipeline
+from jaxtrain import metrics, objectives, pipeline
 from jaxtrain.config import ConfigError
 from jaxtrain.config_checks import validate
 from jaxtrain.dryrun import measure as aot
@@ -255,7 +255,7 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
       f"  XLA cost_analysis {xla}",
       f"  analytic          {analytic:.3e}  (6·N_matmul + 6·L·T·H·E) per token × "
       f"{aot.analytic_tokens_per_step(config):,} tokens"
-      + (" × 4/3 (DPO: the reference's forward)" if t.objective == "dpo" else ""),
+      + objectives.get(config).flops_note(),
       f"  compiled / analytic {m.flops * n / analytic:.2f}: remat recompute"
       + ("; attention kernels' matmuls are not HLO dots"
          if config.mesh.context > 1 and "Pallas kernels" in m.attention_note and

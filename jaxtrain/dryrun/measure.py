@@ -27,13 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import dpo, metrics, train_setup
+from jaxtrain import objectives, train_setup
 from jaxtrain.attention import context_kernel_platform, impl_under_stages
 from jaxtrain.config_checks import validate
 from jaxtrain.dryrun import hlo_flops
 from jaxtrain.mesh import MeshShape, batch_sharding, make_mesh, platform_of_backend
 from jaxtrain.model import ModelConfig
-from jaxtrain.train_step import BATCH_KEYS
 
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 # A dry run never executes its CPU program, so LLVM need not optimize it: these leave the HLO,
@@ -153,16 +152,8 @@ def measure(config, devices, platform: str | None = None) -> Measurement:
 
 
 def abstract_batch(config, mesh) -> dict[str, jax.ShapeDtypeStruct]:
-  """One global batch of the run's objective as shapes: [B, T] language-model rows, or DPO's
-  [B, T+1] rows per side of each preference pair."""
-  b, t = config.train.global_batch_size, config.train.seq_len
-  sharding = batch_sharding(mesh)
-  if config.train.objective == "dpo":
-    return {k: jax.ShapeDtypeStruct((b, t + 1), jnp.float32 if k.endswith("loss_mask")
-                                    else jnp.int32, sharding=sharding)
-            for k in dpo.BATCH_KEYS}
-  return {k: jax.ShapeDtypeStruct((b, t), jnp.float32 if k == "loss_mask" else jnp.int32,
-                                  sharding=sharding) for k in BATCH_KEYS}
+  """One global batch of the run's objective as shapes, sharded like the trainer's batches."""
+  return objectives.get(config).abstract_batch(config, batch_sharding(mesh))
 
 
 def _param_shards(tree, prefix: str = "") -> list[ParamShard]:
@@ -310,18 +301,11 @@ def _refused(config, devices, platform, e: CompilerOutOfMemory, compile_s: float
 
 
 def analytic_tokens_per_step(config) -> int:
-  """Tokens one step trains on: B x T, or for DPO both responses of B pairs (2 x B x (T+1))."""
-  t = config.train
-  if t.objective == "dpo":
-    return 2 * t.global_batch_size * (t.seq_len + 1)
-  return t.global_batch_size * t.seq_len
+  """Tokens one step trains on (the objective's: B x T, or both responses of DPO's pairs)."""
+  return objectives.get(config).tokens_per_step(config)
 
 
 def analytic_flops_per_step(config) -> float:
-  """metrics.flops_per_token (6 * N_matmul + 6 * L * T * H * E) times the step's tokens; DPO
-  adds the reference's forward pass (2 of those 6 per token): x 4/3."""
-  t = config.train
-  if t.objective == "dpo":
-    per_token = metrics.flops_per_token(config.model, t.seq_len + 1) * 4 / 3
-    return per_token * analytic_tokens_per_step(config)
-  return metrics.flops_per_step(config.model, t.seq_len, t.global_batch_size)
+  """The objective's analytic FLOPs of a step (metrics.flops_per_token per token, and what the
+  objective adds, e.g. DPO's reference forward)."""
+  return objectives.get(config).flops_per_step(config)

@@ -1,0 +1,71 @@
+"""Direct preference optimization: the policy against a frozen reference on {prompt, chosen,
+rejected} pairs, each side a row of train.seq_len + 1 tokens (the math: jaxtrain.dpo)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxtrain import dpo as dpo_lib
+from jaxtrain.objectives.base import Objective, zeros_like_params
+
+
+class DPO(Objective):
+  name = "dpo"
+  metric_names = dpo_lib.METRIC_NAMES
+  uses_reference = True
+  unit = "pairs"
+
+  def __init__(self, beta: float = 0.1):
+    self.beta = beta
+
+  def row_length(self, seq_len):
+    return seq_len + 1  # a prompt and response, next-token shifted inside the loss
+
+  def describe_row(self, seq_len):
+    return f"a DPO row (train.seq_len + 1 = {self.row_length(seq_len)} tokens)"
+
+  def batch_shapes(self, config):
+    b, t = config.train.global_batch_size, self.row_length(config.train.seq_len)
+    return {k: ((b, t), jnp.float32 if k.endswith("loss_mask") else jnp.int32)
+            for k in dpo_lib.BATCH_KEYS}
+
+  def tokens_per_step(self, config):
+    return 2 * super().tokens_per_step(config)  # both responses of every pair
+
+  def flops_per_step(self, config, model_config=None):
+    # The reference's forward pass adds 2 of the 6 FLOPs per weight and token: x 4/3.
+    return super().flops_per_step(config, model_config) * 4 / 3
+
+  def flops_note(self):
+    return " × 4/3 (DPO: the reference's forward)"
+
+  def loss_sums(self, graphdef, loss_chunk_size):
+    from jaxtrain.train_step import merge_model  # pylint: disable=import-outside-toplevel
+    beta = self.beta
+
+    def reference_logprobs(params, frozen, batch):
+      if frozen is not None and frozen.reference is not None:
+        reference = merge_model(graphdef, frozen.reference, frozen)
+      else:
+        reference = merge_model(graphdef, zeros_like_params(params), frozen)
+      return dpo_lib.reference_logprobs(reference, batch, chunk_size=loss_chunk_size)
+
+    def sums(params, frozen, batch, reference, dropout_key):
+      policy = merge_model(graphdef, params, frozen)
+      return dpo_lib.dpo_sums(policy, reference, batch, beta, chunk_size=loss_chunk_size,
+                              dropout_key=dropout_key)
+    return reference_logprobs, sums
+
+  def data_module(self):
+    from jaxtrain.data import preference  # pylint: disable=import-outside-toplevel
+    return preference
+
+  def batch_rows(self, config, model_cfg, per_device):
+    t = config.train
+    reference = "the base with adapters off" if model_cfg.lora_rank else "frozen initial params"
+    return [
+        ("global batch", f"{t.global_batch_size} preference pairs × 2 responses × "
+                         f"{t.seq_len + 1} tokens"),
+        ("per-device batch", f"{per_device:g} pairs (grad accum {t.grad_accum_steps})"),
+        ("objective", f"DPO, beta {self.beta}; reference: {reference}"),
+    ]
