@@ -302,16 +302,7 @@ def _check_finetuning(config):
   objective = config.train.objective
   if objective not in OBJECTIVES:
     raise ConfigError(f"train.objective={objective!r}: choose one of {', '.join(OBJECTIVES)}")
-  if objective == "dpo":
-    if config.dpo.beta <= 0:
-      raise ConfigError(f"dpo.beta={config.dpo.beta}: must be positive (typical: 0.1)")
-    if config.data.format != "preference":
-      raise ConfigError(f"train.objective='dpo' with data.format={config.data.format!r}: DPO "
-                        f"trains on preference pairs; set data.format='preference' with JSONL "
-                        f"records {{prompt, chosen, rejected}}")
-  elif config.data.format == "preference":
-    raise ConfigError("data.format='preference': preference pairs train only with "
-                      "train.objective='dpo'")
+  objectives.get(config).check(config)  # its own settings and data format
   lora = config.lora
   if lora.rank < 0:
     raise ConfigError(f"lora.rank={lora.rank}: must be >= 0 (0: full fine-tuning)")

@@ -42,8 +42,8 @@ def to_global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str,
 
 
 def evaluate(setup: Setup, state: TrainState, eval_batches: Iterable[dict]) -> dict[str, float]:
-  """{"eval_loss": mean loss, ...}: per token for "lm"; per pair for "dpo", plus the mean
-  DPO metrics as eval_<name> (eval_reward_accuracy, ...)."""
+  """{"eval_loss": mean loss, ...}: the mean over the objective's units (tokens, pairs), plus
+  the means of its metrics as eval_<name> (DPO: eval_reward_accuracy, ...)."""
   with jax.set_mesh(setup.mesh):
     sums = [setup.eval_step(state.params, to_global_batch(b, setup.mesh), state.frozen)
             for b in eval_batches]

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain import metrics
+from jaxtrain.config import ConfigError
 
 # (constants(params, frozen, batch), loss_sums(params, frozen, batch, constants, dropout_key)
 #  -> (loss sum, count, {metric: sum})): see Objective.loss_sums.
@@ -37,6 +38,12 @@ class Objective(abc.ABC):
   def row_length(self, seq_len: int) -> int:
     """Tokens in one row of its batches (what attention and context parallelism see)."""
     return seq_len
+
+  def check(self, config) -> None:
+    """ConfigError (one line) for settings this objective cannot train with."""
+    if config.data.format == "preference":
+      raise ConfigError(f"data.format='preference': preference pairs train only with "
+                        f"train.objective='dpo', not {self.name!r}")
 
   def describe_row(self, seq_len: int) -> str:
     """One row of its batches in words, for config errors about lengths."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxtrain import dpo as dpo_lib
+from jaxtrain.config import ConfigError
 from jaxtrain.objectives.base import Objective, zeros_like_params
 
 
@@ -20,6 +21,14 @@ class DPO(Objective):
 
   def row_length(self, seq_len):
     return seq_len + 1  # a prompt and response, next-token shifted inside the loss
+
+  def check(self, config):
+    if self.beta <= 0:
+      raise ConfigError(f"dpo.beta={self.beta}: must be positive (typical: 0.1)")
+    if config.data.format != "preference":
+      raise ConfigError(f"train.objective='dpo' with data.format={config.data.format!r}: DPO "
+                        f"trains on preference pairs; set data.format='preference' with JSONL "
+                        f"records {{prompt, chosen, rejected}}")
 
   def describe_row(self, seq_len):
     return f"a DPO row (train.seq_len + 1 = {self.row_length(seq_len)} tokens)"
