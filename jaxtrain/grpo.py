@@ -1,0 +1,78 @@
+"""GRPO's math (group relative policy optimization): group-relative advantages and the clipped,
+KL-penalized policy loss. Pure functions; the objective and the rollouts use them.
+
+Shapes: rewards and advantages are per completion, [N·G] with each run of G consecutive entries
+one prompt's group; token arrays are [B, T] over completions (B = N·G), `mask_BT` 1 on the
+completion tokens whose log-probs count.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Metrics grpo_sums returns as sums over sequences (divided by the count like the loss).
+METRIC_NAMES = ("kl", "clip_fraction")
+
+
+def group_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
+  """(r - mean of its group) / (std of its group + 1e-6), the standard deviation unbiased
+  (ddof=1); a group whose rewards are all equal gets 0 (it carries no signal)."""
+  if group_size < 2:
+    raise ValueError(f"group_size={group_size}: GRPO needs at least 2 completions per prompt")
+  rewards = jnp.asarray(rewards, jnp.float32)
+  if rewards.ndim != 1 or rewards.shape[0] % group_size:
+    raise ValueError(f"rewards of shape {rewards.shape}: expected [N*{group_size}] (each prompt's "
+                     f"{group_size} completions consecutive)")
+  r_NG = rewards.reshape(-1, group_size)
+  mean_N1 = r_NG.mean(axis=1, keepdims=True)
+  std_N1 = r_NG.std(axis=1, ddof=1, keepdims=True)
+  equal_N1 = jnp.all(r_NG == r_NG[:, :1], axis=1, keepdims=True)
+  return jnp.where(equal_N1, 0.0, (r_NG - mean_N1) / (std_N1 + 1e-6)).reshape(-1)
+
+
+def _token_terms(logprobs_BT, old_logprobs_BT, ref_logprobs_BT, advantages_B, epsilon, beta):
+  """(token loss, KL term, clipped flag), each [B, T]."""
+  ratio_BT = jnp.exp(logprobs_BT - old_logprobs_BT)
+  a_B1 = advantages_B[:, None]
+  unclipped_BT = ratio_BT * a_B1
+  clipped_BT = jnp.clip(ratio_BT, 1.0 - epsilon, 1.0 + epsilon) * a_B1
+  # k3 estimator of KL(policy || reference): exp(d) - d - 1 with d = ref - policy, >= 0.
+  d_BT = ref_logprobs_BT - logprobs_BT
+  kl_BT = jnp.exp(d_BT) - d_BT - 1.0
+  loss_BT = -jnp.minimum(unclipped_BT, clipped_BT) + beta * kl_BT
+  # Clipped: the min took the clipped term and it differs (the ratio left the trust region in
+  # the direction the advantage pushes).
+  clip_BT = (clipped_BT < unclipped_BT).astype(jnp.float32)
+  return loss_BT, kl_BT, clip_BT
+
+
+def _sequence_means(x_BT, mask_BT):
+  """Each sequence's masked token mean [B] (0 for a sequence without completion tokens)."""
+  count_B = mask_BT.sum(axis=1)
+  return (x_BT * mask_BT).sum(axis=1) / jnp.maximum(count_B, 1.0)
+
+
+def grpo_sums(logprobs_BT, old_logprobs_BT, ref_logprobs_BT, advantages_B, mask_BT, *,
+              epsilon: float = 0.2, beta: float = 0.04):
+  """(summed sequence losses, sequence count, {metric: summed sequence means}): sums over the
+  batch's sequences, so microbatches add up to the whole batch and one division gives
+  `grpo_loss`."""
+  mask_BT = mask_BT.astype(jnp.float32)
+  loss_BT, kl_BT, clip_BT = _token_terms(logprobs_BT, old_logprobs_BT, ref_logprobs_BT,
+                                         advantages_B, epsilon, beta)
+  count = jnp.asarray(logprobs_BT.shape[0], jnp.float32)
+  metrics = {"kl": _sequence_means(kl_BT, mask_BT).sum(),
+             "clip_fraction": _sequence_means(clip_BT, mask_BT).sum()}
+  return _sequence_means(loss_BT, mask_BT).sum(), count, metrics
+
+
+def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, epsilon: float = 0.2,
+              beta: float = 0.04):
+  """(loss, metrics). ratio = exp(logprobs - old_logprobs); token loss = -min(ratio·A,
+  clip(ratio, 1-ε, 1+ε)·A) + β·(exp(ref - logprobs) - (ref - logprobs) - 1); each sequence's
+  loss is its masked token mean, and the loss is the mean over sequences. `metrics`: `kl` (the
+  same means of the KL term) and `clip_fraction` (of tokens whose clipped term was taken)."""
+  total, count, sums = grpo_sums(logprobs, old_logprobs, ref_logprobs, advantages, mask,
+                                 epsilon=epsilon, beta=beta)
+  return total / count, {k: v / count for k, v in sums.items()}
