@@ -377,6 +377,11 @@ class Llama(nnx.Module):
     if dropout_key is not None and cfg.lora_rank > 0 and cfg.lora_dropout > 0:
       layer_keys = jax.random.split(dropout_key, cfg.num_layers)
 
+    stages = pipeline_lib.stage_count()
+    if stages > 1:  # its own remat, per layer and per pipeline iteration
+      x_BTD = self._pipelined(x_BTD, positions_BT, segment_ids_BT, layer_keys, stages)
+      return self.final_norm(x_BTD)
+
     def block_fn(block, x_BTD, key):
       return block(x_BTD, positions_BT, segment_ids_BT, key)
 
@@ -384,10 +389,7 @@ class Llama(nnx.Module):
     if policy_name != "none":
       block_fn = nnx.remat(block_fn, policy=remat_policy(policy_name),
                            prevent_cse=not cfg.scan_layers)
-    stages = pipeline_lib.stage_count()
-    if stages > 1:
-      x_BTD = self._pipelined(x_BTD, positions_BT, segment_ids_BT, layer_keys, stages)
-    elif cfg.scan_layers:
+    if cfg.scan_layers:
       # The layer keys are scanned over with the layers (None: nothing to scan).
       @nnx.scan(in_axes=(nnx.Carry, 0, None if layer_keys is None else 0), out_axes=nnx.Carry,
                 transform_metadata={nnx.PARTITION_NAME: "layers"})

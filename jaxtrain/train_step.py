@@ -19,10 +19,10 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtrain import objectives
 from jaxtrain.cross_entropy import chunked_cross_entropy
 from jaxtrain.mesh import batch_sharding, replicated, shard
+from jaxtrain.objectives.lm import BATCH_KEYS  # the language-model batch (module docstring)
 from jaxtrain.pipeline import stage_count
 
 Batch = dict[str, jax.Array]
-BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 
 
 class Frozen(struct.PyTreeNode):
@@ -104,16 +104,16 @@ def make_grad_fn(graphdef, *, grad_accum_steps: int = 1, loss_chunk_size: int = 
 
   constants_fn, loss_sums = make_loss_sums(graphdef, objective=objective,
                                            loss_chunk_size=loss_chunk_size, dpo_beta=dpo_beta)
-  # Under pipeline stages the loss sees the whole batch (grad_accum_steps microbatches) at once:
-  # chunks of loss_chunk_size/grad_accum_steps positions hold the logits that one accumulation
-  # microbatch's chunk would.
-  pipelined_constants_fn, pipelined_loss_sums = make_loss_sums(
-      graphdef, objective=objective, loss_chunk_size=max(1, loss_chunk_size // grad_accum_steps),
-      dpo_beta=dpo_beta)
 
   def value_and_grad(params, frozen, batch, key):
-    constants_fn_, loss_sums_ = ((pipelined_constants_fn, pipelined_loss_sums)
-                                 if stage_count() > 1 else (constants_fn, loss_sums))
+    constants_fn_, loss_sums_ = constants_fn, loss_sums
+    if stage_count() > 1:
+      # Under pipeline stages the loss sees the whole batch (grad_accum_steps microbatches) at
+      # once: chunks of loss_chunk_size/grad_accum_steps positions hold the logits that one
+      # accumulation microbatch's chunk would.
+      constants_fn_, loss_sums_ = make_loss_sums(
+          graphdef, objective=objective, dpo_beta=dpo_beta,
+          loss_chunk_size=max(1, loss_chunk_size // grad_accum_steps))
     constants = constants_fn_(params, frozen, batch)
 
     def loss(p):

@@ -61,8 +61,7 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
                  peak: float | None, peak_source: str, packing: float | None,
                  data_rows: list[tuple[str, str]], objective: Objective) -> str:
   t = config.train
-  flops_per_token = (objective.flops_per_step(config, model_cfg)
-                     / objective.tokens_per_step(config))
+  flops_per_token = objective.flops_per_token(config, model_cfg)
   devices = jax.devices()
   n = len(devices)
   tokens = t.global_batch_size * t.seq_len
@@ -150,7 +149,7 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
   eval_batches = shard_plan.eval_batches(data_source.make_eval_batches, config)
   peak, peak_source = metrics_lib.peak_flops_for_devices(jax.devices())
   tokens_per_step = objective.tokens_per_step(config)
-  flops_per_token = objective.flops_per_step(config, setup.model_cfg) / tokens_per_step
+  flops_per_token = objective.flops_per_token(config, setup.model_cfg)
   ckpt = _checkpointer(config, workdir)
   state, start_step = _restore_or_init(setup, ckpt, train_iter, t.seed,
                                        config.checkpoint.init_from)

@@ -112,3 +112,18 @@ def cli_losses(workdir, *args, devices: int | None = None):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     return proc.stdout, [r["loss"] for r in map(json.loads, f) if "loss" in r]
+
+
+def assert_one_line_config_error(config, num_devices: int, words, **validate_kwargs) -> str:
+  """Validating `config` for `num_devices` raises a one-line ConfigError containing every one of
+  `words`; returns the message."""
+  import pytest  # pylint: disable=import-outside-toplevel
+  from jaxtrain.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from jaxtrain.config_checks import validate  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ConfigError) as err:
+    validate(config, num_devices, **validate_kwargs)
+  message = str(err.value)
+  assert "\n" not in message
+  for word in words:
+    assert word in message, (word, message)
+  return message

@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from jaxtrain.config import ConfigError, default_config, load_config_file
+from jaxtrain.config import default_config, load_config_file
 from jaxtrain.config_checks import resolve_mesh_shape, validate
-from tests.helpers import REPO, run_main, small_config
+from tests.helpers import REPO, assert_one_line_config_error, run_main, small_config
 
 
 def _set(config, key, value):
@@ -54,12 +54,7 @@ def test_bad_config_names_key_value_and_fix(overrides, devices, words):
   config.mesh.fsdp = -1
   for key, value in overrides.items():
     _set(config, key, value)
-  with pytest.raises(ConfigError) as err:
-    validate(config, devices)
-  message = str(err.value)
-  assert "\n" not in message
-  for word in words:
-    assert word in message, f"{word!r} not in {message!r}"
+  assert_one_line_config_error(config, devices, words)
 
 
 def test_good_configs_validate_and_fill_the_free_axis():

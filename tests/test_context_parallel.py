@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 
 from jaxtrain import attention, context_parallel as cp, train_setup
-from jaxtrain.config import ConfigError
-from jaxtrain.config_checks import validate
 from jaxtrain.context_attention import context_attention
 from jaxtrain.dryrun import targets
 from jaxtrain.dryrun.measure import compile_setup, compile_step
-from tests.helpers import cli_losses, mesh_of, run_main, small_config, train_losses
+from tests.helpers import (assert_one_line_config_error, cli_losses, mesh_of, run_main,
+                           small_config, train_losses)
 
 
 # ------------------------------------------------------------------------------ the layout
@@ -220,12 +219,7 @@ def test_bad_context_settings_are_one_line_errors(overrides, words):
                    fsdp=-1)
   config.train.seq_len = overrides.get("seq_len", 64)
   config.attention.load_balance = overrides.get("load_balance", True)
-  with pytest.raises(ConfigError) as err:
-    validate(config, 8)
-  message = str(err.value)
-  assert "\n" not in message
-  for word in words:
-    assert word in message, (word, message)
+  assert_one_line_config_error(config, 8, words)
 
 
 # ------------------------------------------------------------------------------ the CLI

@@ -20,7 +20,7 @@ from jaxtrain.config import ConfigError
 from jaxtrain.config_checks import validate
 from jaxtrain.data import shards
 from jaxtrain.mesh import batch_rows_by_process, make_mesh
-from tests.helpers import REPO, main_command, small_config
+from tests.helpers import REPO, assert_one_line_config_error, main_command, small_config
 from tests.test_data import assert_batches_equal, take
 from tests.test_data import small_config as small_data_config
 from tests.test_end_to_end import SMALL
@@ -103,12 +103,7 @@ def test_bad_multihost_config_names_key_value_and_fix(overrides, processes, slic
   for key, value in overrides.items():
     group, name = key.split(".")
     config[group][name] = value
-  with pytest.raises(ConfigError) as e:
-    validate(config, 8, num_processes=processes, num_slices=slices)
-  message = str(e.value)
-  assert "\n" not in message
-  for w in words:
-    assert w in message, (w, message)
+  assert_one_line_config_error(config, 8, words, num_processes=processes, num_slices=slices)
 
 
 def test_good_multihost_configs_validate():

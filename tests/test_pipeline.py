@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxtrain import pipeline as pp
-from tests.helpers import cli_losses, run_main, small_config, train_losses
+from tests.helpers import (assert_one_line_config_error, cli_losses, run_main, small_config,
+                           train_losses)
 
 D, L = 16, 8
 
@@ -202,16 +203,8 @@ def test_fsdp_gathers_each_weight_once_per_step_with_gather_weights_once():
     ({"stage": 2, "fsdp": 2, "repeats": 4}, ["model.num_layers=4", "2*4=8"]),
 ])
 def test_bad_pipeline_settings_are_one_line_errors(settings, words):
-  from jaxtrain.config import ConfigError  # pylint: disable=import-outside-toplevel
-  from jaxtrain.config_checks import validate  # pylint: disable=import-outside-toplevel
   config = _config(**settings)
-  devices = config.mesh.stage * config.mesh.fsdp
-  with pytest.raises(ConfigError) as err:
-    validate(config, devices)
-  message = str(err.value)
-  assert "\n" not in message
-  for word in words:
-    assert word in message, (word, message)
+  assert_one_line_config_error(config, config.mesh.stage * config.mesh.fsdp, words)
 
 
 # ------------------------------------------------------------------------------ the CLI

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Callable
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -181,20 +182,27 @@ def _convolution_flops(shapes, name: str, op_text: str) -> float:
   return 2.0 * math.prod(out) * features * window
 
 
-def count(hlo_text: str) -> HloFlops:
-  """Matmul FLOPs of one run of the entry computation of `compiled.as_text()`."""
-  computations, entry, loops, unknown = _parse(hlo_text)
+def _per_run(computations: dict[str, _Computation], entry: str | None,
+             own: Callable[[_Computation], float]) -> float:
+  """`own(computation)` summed over one run of `entry`: each computation weighted by how often it
+  runs (loop bodies by trip count, a conditional by its costliest branch)."""
   memo: dict[str, float] = {}
 
   def total(name: str) -> float:
     if name not in memo:
       comp = computations.get(name)
-      memo[name] = 0.0 if comp is None else comp.dot_flops + sum(
+      memo[name] = 0.0 if comp is None else own(comp) + sum(
           times * total(callee) for callee, times in comp.calls) + sum(
               max(total(branch) for branch in branches) for branches in comp.choices)
     return memo[name]
 
-  return HloFlops(flops=total(entry) if entry else 0.0, loops=loops,
+  return total(entry) if entry else 0.0
+
+
+def count(hlo_text: str) -> HloFlops:
+  """Matmul FLOPs of one run of the entry computation of `compiled.as_text()`."""
+  computations, entry, loops, unknown = _parse(hlo_text)
+  return HloFlops(flops=_per_run(computations, entry, lambda c: c.dot_flops), loops=loops,
                   loops_without_trip_count=unknown)
 
 
@@ -203,14 +211,4 @@ def executed_ops(hlo_text: str, opcode: str) -> int:
   each counted as often as its computation runs (loop bodies by trip count, a conditional by its
   branch with the most)."""
   computations, entry, _, _ = _parse(hlo_text)
-  memo: dict[str, int] = {}
-
-  def total(name: str) -> int:
-    if name not in memo:
-      comp = computations.get(name)
-      memo[name] = 0 if comp is None else comp.ops.get(opcode, 0) + sum(
-          times * total(callee) for callee, times in comp.calls) + sum(
-              max(total(branch) for branch in branches) for branches in comp.choices)
-    return memo[name]
-
-  return total(entry) if entry else 0
+  return int(_per_run(computations, entry, lambda c: c.ops.get(opcode, 0)))

@@ -69,6 +69,10 @@ class Objective(abc.ABC):
     per_token = metrics.flops_per_token(model_config, self.row_length(config.train.seq_len))
     return per_token * self.tokens_per_step(config)
 
+  def flops_per_token(self, config, model_config=None) -> float:
+    """`flops_per_step` per trained token: what MFU and the run table use."""
+    return self.flops_per_step(config, model_config) / self.tokens_per_step(config)
+
   def flops_note(self) -> str:
     """What `flops_per_step` adds to 6·N per token, for the dry run's FLOPs row ('' if none)."""
     return ""

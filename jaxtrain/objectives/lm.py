@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from jaxtrain.objectives.base import Objective
 
+# The language-model batch (see jaxtrain.train_step), [B, T] each.
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 
 
