@@ -22,7 +22,9 @@ ROPE_SCALING_TYPES = ("none", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 # Adam moments: float16 is refused, its range underflows the second moment of small grads.
 STATE_DTYPES = ("float32", "bfloat16")
-OBJECTIVES = ("lm", "dpo")
+OBJECTIVES = ("lm", "dpo", "grpo")
+# grpo.on_reward_error: stop the run, or skip the batch of rollouts (drawing the next prompts).
+REWARD_ERROR_POLICIES = ("stop", "skip")
 # Projections that can carry LoRA adapters: attention q/k/v/o and the SwiGLU MLP's three.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # Storage of the frozen base weights under LoRA (QLoRA when quantized): int8 and 4-bit codes
@@ -138,12 +140,34 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.loss_spike_sigmas = 6.0
   # "lm": next-token cross-entropy on loss-mask tokens (pre-training, and SFT when data.format
   # marks the prompt out of the loss); "dpo": Direct Preference Optimization on preference
-  # pairs (data.format="preference") against a frozen reference (see the dpo group).
+  # pairs (data.format="preference") against a frozen reference (see the dpo group); "grpo":
+  # online RL on prompts (data.format="prompt") with completions sampled in the loop and scored
+  # by reward functions (see the grpo group).
   c.train.objective = "lm"
 
   c.dpo = ml_collections.ConfigDict()
   # Strength of the implicit KL penalty: larger keeps the policy nearer the reference.
   c.dpo.beta = 0.1
+
+  # Group relative policy optimization (jaxtrain.grpo, docs/finetuning.md). A step's batch is
+  # train.global_batch_size prompts x num_generations completions sampled with the current
+  # weights; each prompt and its completion fit train.seq_len tokens.
+  c.grpo = ml_collections.ConfigDict()
+  c.grpo.num_generations = 8  # G >= 2 completions per prompt: the group advantages compare
+  c.grpo.num_iterations = 1  # policy updates (optimizer steps) on each batch of rollouts
+  c.grpo.epsilon = 0.2  # clip range of the importance ratio
+  c.grpo.beta = 0.04  # KL penalty to the reference; 0 drops the reference (no extra forward)
+  c.grpo.max_new_tokens = 64
+  c.grpo.temperature = 1.0  # sampling temperature of the rollouts (> 0)
+  c.grpo.top_p = 1.0
+  # Comma-separated "module:function" names, rewards summed (jaxtrain.rewards shows the call).
+  c.grpo.reward_fns = "jaxtrain.rewards:exact_match"
+  # A reward function that raises or returns bad values: "stop" the run (one line naming it),
+  # or "skip" that batch of rollouts and draw the next prompts (counted as reward_errors).
+  c.grpo.on_reward_error = "stop"
+  c.grpo.max_skipped_batches = 10  # with "skip": this many in a row stop the run
+  # Each eval writes greedy completions of this many eval prompts to WORKDIR/completions.jsonl.
+  c.grpo.sample_prompts = 4
 
   # Low-rank adapters: rank 0 trains every weight (full fine-tuning); rank > 0 freezes the base
   # weights and trains only adapters W + (alpha / rank) * A @ B on lora.targets. Only the
@@ -184,7 +208,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.field = "text"  # JSONL field / Parquet column holding the document
   # JSONL records: "text" (field above), "prompt_completion" ({"prompt", "completion"}: loss on
   # the completion) or "chat" ({"messages": [...]}, the tokenizer's chat template: loss on the
-  # assistant turns).
+  # assistant turns); "preference" ({prompt, chosen, rejected}) for DPO, "prompt" ({prompt,
+  # ...fields for the rewards}) for GRPO.
   c.data.format = "text"
   # Several sources sampled by weight: name -> {data.* keys to override, weight}. Define it in
   # a config file; override weights on the command line (--config.data.mixture.web.weight=0.7).

@@ -178,3 +178,22 @@ def sequence_cross_entropy(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
   total_B, _ = jax.lax.scan(body, jnp.zeros(x_BTD.shape[:1], jnp.float32),
                             (x_NBCD, targets_NBC, mask_NBC))
   return total_B
+
+
+def token_cross_entropy(x_BTD, w_DV, targets_BT, chunk_size: int):
+  """[B, T] float32 cross-entropy of every target token (e.g. GRPO's per-token log-probs).
+
+  Chunked and rematerialized like `sequence_cross_entropy`: [B, C, V] float32 logits at a time.
+  """
+  t = x_BTD.shape[1]
+  x_NBCD, targets_NBC, _ = _chunked(x_BTD, targets_BT, jnp.ones(targets_BT.shape), chunk_size)
+
+  @jax.checkpoint
+  def chunk_tokens(x_BCD, targets_BC):
+    logits_BCV = _head(x_BCD, w_DV)
+    lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+    onehot_BCV = jax.nn.one_hot(targets_BC, w_DV.shape[1], dtype=jnp.float32)
+    return lse_BC - jnp.sum(logits_BCV * onehot_BCV, axis=-1)
+
+  nll_NBC = jax.lax.map(lambda xs: chunk_tokens(*xs), (x_NBCD, targets_NBC))
+  return _unchunked(nll_NBC[..., None], t)[..., 0]

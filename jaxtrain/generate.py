@@ -27,7 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtrain.mesh import shard
 from jaxtrain.model import Llama, apply_rope, rope_inv_freq
+from jaxtrain.peft.projection import project
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +50,13 @@ class SamplingConfig:
 
 def _attend(attn, x_BCD, positions_BC, cache_k_BSKE, cache_v_BSKE, start_B):
   """One attention sublayer over C new tokens per row: write their k/v at [start, start+C),
-  attend over every cached key at or before each query's position."""
+  attend over every cached key at or before each query's position. The projections are the
+  model's own (`peft.project`: LoRA adapters and quantized bases included)."""
   dt = attn.dtype
-  q_BCHE = jnp.einsum("BCD,DHE->BCHE", x_BCD, attn.wq_DHE[...].astype(dt))
-  k_BCKE = jnp.einsum("BCD,DKE->BCKE", x_BCD, attn.wk_DKE[...].astype(dt))
-  v_BCKE = jnp.einsum("BCD,DKE->BCKE", x_BCD, attn.wv_DKE[...].astype(dt))
+  proj = functools.partial(project, dtype=dt)
+  q_BCHE = proj(x_BCD, attn.wq_DHE, attn.lora_q)
+  k_BCKE = proj(x_BCD, attn.wk_DKE, attn.lora_k)
+  v_BCKE = proj(x_BCD, attn.wv_DKE, attn.lora_v)
   head_dim, theta, scaling = attn.rope
   inv_freq = rope_inv_freq(head_dim, theta, dict(scaling) if scaling else None)
   q_BCHE = apply_rope(q_BCHE, positions_BC, inv_freq)
@@ -71,7 +75,7 @@ def _attend(attn, x_BCD, positions_BC, cache_k_BSKE, cache_v_BSKE, start_B):
   probs_BKGCS = jax.nn.softmax(logits_BKGCS, axis=-1).astype(dt)
   out_BCHE = jnp.einsum("BKGCS,BSKE->BCKGE", probs_BKGCS,
                         cache_v_BSKE.astype(dt)).reshape(b, c, h, e)
-  out_BCD = jnp.einsum("BCHE,HED->BCD", out_BCHE, attn.wo_HED[...].astype(dt))
+  out_BCD = proj(out_BCHE.reshape(b, c, h * e), attn.wo_HED, attn.lora_o, num_in=2)
   return out_BCD, cache_k_BSKE, cache_v_BSKE
 
 
@@ -111,7 +115,12 @@ def forward_with_cache(model: Llama, tokens_BC, start_B, cache):
 def empty_cache(model: Llama, batch: int, length: int) -> dict[str, jax.Array]:
   cfg = model.cfg
   shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
-  return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
+  # Under a mesh (the GRPO rollouts) rows follow the batch's data-parallel split and heads the
+  # tensor axis, like the activations; a no-op without one. The cache is made inside the jit
+  # and carried through the decode loop, so XLA updates it in place (no copy per token).
+  names = (None, "act_batch", None, "act_kv_heads", None)
+  return {"k": shard(jnp.zeros(shape, cfg.dtype), names),
+          "v": shard(jnp.zeros(shape, cfg.dtype), names)}
 
 
 def sample_token(logits_BV, key, temperature: float, top_p: float) -> jax.Array:
@@ -135,6 +144,12 @@ def sample_token(logits_BV, key, temperature: float, top_p: float) -> jax.Array:
 def generate_tokens(model: Llama, prompt_BP, lengths_B, key, sampling: SamplingConfig):
   """[B, max_new_tokens] int32 continuations of right-padded prompts (row b: first lengths_B[b]
   tokens). After a row emits `sampling.eos_id` it emits only that id."""
+  return sample_continuations(model, prompt_BP, lengths_B, key, sampling)
+
+
+def sample_continuations(model: Llama, prompt_BP, lengths_B, key, sampling: SamplingConfig):
+  """`generate_tokens` without its jit, for callers that trace it inside their own (the GRPO
+  rollouts, which merge the model from the live sharded params)."""
   b, p = prompt_BP.shape
   n = sampling.max_new_tokens
   cache = empty_cache(model, b, p + n)

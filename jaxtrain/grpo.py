@@ -11,6 +11,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.cross_entropy import token_cross_entropy
+
+# The training batch built from a batch of rollouts (jaxtrain.rollouts): the language-model keys
+# ([B, T]; loss_mask 1 on completion targets) and each completion's advantage [B]; with
+# grpo.num_iterations > 1 also the sampling policy's per-token log-probs [B, T].
+TOKEN_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
+OLD_LOGPROBS = "old_logprobs"
+
 # Metrics grpo_sums returns as sums over sequences (divided by the count like the loss).
 METRIC_NAMES = ("kl", "clip_fraction")
 
@@ -76,3 +84,18 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, epsilon
   total, count, sums = grpo_sums(logprobs, old_logprobs, ref_logprobs, advantages, mask,
                                  epsilon=epsilon, beta=beta)
   return total / count, {k: v / count for k, v in sums.items()}
+
+
+def token_logprobs(model, batch, *, chunk_size: int = 512, dropout_key=None) -> jax.Array:
+  """[B, T] float32 log p(targets[t] | inputs[:t+1]) under `model`, for a batch already in the
+  model's sequence layout (`model.sequence_layout`). Padding positions hold garbage that the
+  loss mask removes."""
+  kwargs = {} if dropout_key is None else {"dropout_key": dropout_key}  # LoRA dropout
+  x_BTD = model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"], **kwargs)
+  return -token_cross_entropy(x_BTD, model.head_weights(), batch["targets"], chunk_size)
+
+
+def in_layout(model, batch):
+  """The batch's per-token arrays in the model's sequence layout; per-sequence ones unchanged."""
+  tokens = {k: v for k, v in batch.items() if v.ndim == 2}
+  return {**batch, **model.sequence_layout(tokens)}

@@ -93,6 +93,7 @@ def main(argv):
   from jaxtrain import trainer  # pylint: disable=import-outside-toplevel
   from jaxtrain.health import TrainingHealthError  # pylint: disable=import-outside-toplevel
   from jaxtrain.data.sources import DataError  # pylint: disable=import-outside-toplevel
+  from jaxtrain.rewards import RewardError  # pylint: disable=import-outside-toplevel
   from jaxtrain.preflight import DoesNotFitError  # pylint: disable=import-outside-toplevel
   workdir = _WORKDIR.value or _default_workdir()
   start = time.perf_counter()
@@ -120,6 +121,8 @@ def main(argv):
     distributed.exit_with_error("data error", str(e), 2)
   except TrainingHealthError as e:
     distributed.exit_with_error("training stopped", str(e), 1)
+  except RewardError as e:
+    distributed.exit_with_error("reward error", str(e), 1)
   except Exception as e:  # pylint: disable=broad-except
     if not distributed.whereabouts():
       raise  # one process: the usual traceback and exit code
@@ -129,9 +132,10 @@ def main(argv):
   if result["preempted_at"] is not None:
     return  # exit 0: a preempted run that saved its state is not a failure
   if jax.process_index() == 0:
-    print(f"done in {time.perf_counter() - start:.1f}s: final loss {result['loss']:.4f}, "
-          f"eval loss {result['eval_loss']:.4f}; "
-          f"metrics in {os.path.join(workdir, 'metrics.jsonl')}",
+    evals = ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in result.items()
+                      if k.startswith("eval_") and isinstance(v, float))
+    print(f"done in {time.perf_counter() - start:.1f}s: final loss {result['loss']:.4f}"
+          f"{', ' + evals if evals else ''}; metrics in {os.path.join(workdir, 'metrics.jsonl')}",
           flush=True)
 
 

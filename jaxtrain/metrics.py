@@ -357,6 +357,8 @@ class MetricsWriter:
       parts.append(f"gnorm {_fmt(m['grad_norm'], '.3g')}")
     if "reward_accuracy" in m:  # DPO
       parts.append(f"reward acc {_fmt(m['reward_accuracy'], '.2f')}")
+    if "reward_mean" in m:  # GRPO
+      parts.append(f"reward {_fmt(m['reward_mean'], '.3f')}")
     if "tokens_per_sec" in m:
       tps = _float_or_none(m["tokens_per_sec"])
       parts.append(f"{format_count(tps) if tps is not None else 'n/a'} tok/s")

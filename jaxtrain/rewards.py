@@ -11,10 +11,13 @@ Shipped, for tasks with a reference answer in an `answer` column:
   exact_match     1 if the completion's answer (the text of its last <answer>...</answer>, else
                   the whole completion, stripped) equals the reference, else 0.
   answer_format   1 if the completion holds exactly one <answer>...</answer> block, else 0.
+  similarity      partial credit in [0, 1]: how much of the completion's answer matches the
+                  reference, character by character (difflib's ratio, 2·matched / total length).
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import math
 import re
@@ -96,3 +99,12 @@ def answer_format(prompts, completions, **columns) -> list[float]:
   """1.0 where the completion holds exactly one <answer>...</answer> block, else 0.0."""
   del prompts, columns
   return [float(len(_ANSWER.findall(c)) == 1 and c.count("<answer>") == 1) for c in completions]
+
+
+def similarity(prompts, completions, *, answer, **columns) -> list[float]:
+  """2·M / (len(a) + len(r)) for the completion's answer a and the reference r, where M counts
+  the characters of their longest matching blocks (difflib.SequenceMatcher.ratio): 1.0 for an
+  exact match, partial credit for a near miss, so a weak model still gets a signal."""
+  del prompts, columns
+  return [difflib.SequenceMatcher(None, extract_answer(c), str(a).strip()).ratio()
+          for c, a in zip(completions, answer)]

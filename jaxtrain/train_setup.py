@@ -128,10 +128,11 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
                          loss_chunk_size=config.train.loss_chunk_size,
                          param_shardings=param_shardings, objective=objective,
                          dropout_seed=dropout_seed)
-  train_step = jit_train_step(step, full_shardings, mesh)
+  batch_shardings = objective.batch_shardings(config, mesh)
+  train_step = jit_train_step(step, full_shardings, mesh, batch_shardings)
   eval_step = jit_eval_step(make_eval_step(graphdef, config.train.loss_chunk_size,
                                            objective=objective),
-                            param_shardings, mesh, frozen_shardings)
+                            param_shardings, mesh, frozen_shardings, batch_shardings)
   return Setup(mesh, model_cfg, graphdef, shardings, init_fn, state_from_params, train_step,
                eval_step, abstract_base, base_init_fn, make_frozen, objective,
                abstract_params=abstract_params, frozen_shardings=frozen_shardings)

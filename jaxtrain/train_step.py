@@ -130,7 +130,7 @@ def make_grad_fn(graphdef, *, grad_accum_steps: int = 1, loss_chunk_size: int = 
     else:
       def accumulate(carry, xs):
         i, mb = xs
-        mb = {k: shard(v, ("act_batch", "act_length")) for k, v in mb.items()}
+        mb = {k: shard(v, ("act_batch", "act_length")[:v.ndim]) for k, v in mb.items()}
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
         # Params and frozen weights ride in the carry, unchanged: NNX refuses to merge a model
         # (the DPO reference) from tracers of the trace outside the scan.
@@ -243,18 +243,21 @@ def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
   return {k: batch_sharding(mesh) for k in BATCH_KEYS}
 
 
-def jit_train_step(train_step, shardings: TrainState, mesh: Mesh):
+def jit_train_step(train_step, shardings: TrainState, mesh: Mesh, batch_shardings=None):
   """jit with explicit shardings; the state is donated so its buffers are updated in place (the
   frozen weights pass through unchanged, aliased rather than copied).
 
-  Any batch dict works: each [B, ...] array is split over the data-parallel axes.
+  `batch_shardings` ({key: sharding}, Objective.batch_shardings) defaults to every array being
+  [B, T] split over the data-parallel axes.
   """
   metric_shardings = replicated(mesh)
-  return jax.jit(train_step, in_shardings=(shardings, batch_sharding(mesh)),
+  batch_in = batch_sharding(mesh) if batch_shardings is None else batch_shardings
+  return jax.jit(train_step, in_shardings=(shardings, batch_in),
                  out_shardings=(shardings, metric_shardings), donate_argnums=(0,))
 
 
-def jit_eval_step(eval_step, param_shardings, mesh: Mesh, frozen_shardings=None):
-  return jax.jit(eval_step, in_shardings=(param_shardings, batch_sharding(mesh),
-                                          frozen_shardings),
+def jit_eval_step(eval_step, param_shardings, mesh: Mesh, frozen_shardings=None,
+                  batch_shardings=None):
+  batch_in = batch_sharding(mesh) if batch_shardings is None else batch_shardings
+  return jax.jit(eval_step, in_shardings=(param_shardings, batch_in, frozen_shardings),
                  out_shardings=replicated(mesh))

@@ -13,48 +13,25 @@ import os
 import signal
 import threading
 import time
-from typing import Iterable
 
 import jax
-import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxtrain.data import shards as data_shards
+from jaxtrain.feeders import evaluate, to_global_batch  # re-exported for callers of the loop
 from jaxtrain.checkpoint import Checkpointer, abstract_like, load_params
 from jaxtrain import host_memory
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import pipeline, preflight
 from jaxtrain.mesh import MeshShape
 from jaxtrain.health import LossSpikeDetector, check_bad_streak
-from jaxtrain.mesh import DCN_AXES, batch_sharding, make_mesh
+from jaxtrain.mesh import DCN_AXES, make_mesh
 from jaxtrain.model import ModelConfig
 from jaxtrain.objectives import Objective
+from jaxtrain.rewards import RewardError
 from jaxtrain.train_setup import Setup, build
 from jaxtrain.train_step import TrainState
-
-
-def to_global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-  """The one place where host data enters devices: this process's rows become its shards of a
-  global [B, T] array split over (data, fsdp)."""
-  return {k: jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim), v)
-          for k, v in local_batch.items()}
-
-
-def evaluate(setup: Setup, state: TrainState, eval_batches: Iterable[dict]) -> dict[str, float]:
-  """{"eval_loss": mean loss, ...}: the mean over the objective's units (tokens, pairs), plus
-  the means of its metrics as eval_<name> (DPO: eval_reward_accuracy, ...)."""
-  with jax.set_mesh(setup.mesh):
-    sums = [setup.eval_step(state.params, to_global_batch(b, setup.mesh), state.frozen)
-            for b in eval_batches]
-  total, count, aux = 0.0, 0.0, {}
-  for loss_sum, n, metric_sums in jax.device_get(sums):
-    total += float(loss_sum)
-    count += float(n)
-    for k, v in metric_sums.items():
-      aux[k] = aux.get(k, 0.0) + float(v)
-  count = max(count, 1.0)
-  return {"eval_loss": total / count, **{f"eval_{k}": v / count for k, v in aux.items()}}
 
 
 def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConfig,
@@ -168,6 +145,15 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
     writer = metrics_lib.MetricsWriter(workdir, tensorboard=config.log.tensorboard,
                                        total_steps=t.steps)
   meter = _Throughput(tokens_per_step, flops_per_token, peak)
+  feeder = objective.make_feeder(config, setup, workdir)
+
+  def next_local():
+    nonlocal first_batch
+    start = time.perf_counter()
+    local, first_batch = (first_batch, None) if first_batch is not None else (next(train_iter),
+                                                                              None)
+    meter.data_wait_s += time.perf_counter() - start
+    return local
   pending = None  # (step, device metrics), fetched after the next step is dispatched
   previous_streak = None  # the last step's bad_streak, read one step late (no stall)
   last: dict[str, float] = {}
@@ -178,11 +164,15 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
   try:
     with jax.set_mesh(mesh), stop:
       for step in range(start_step + 1, t.steps + 1):
-        wait_start = time.perf_counter()
-        local = first_batch if step == start_step + 1 else next(train_iter)
-        meter.data_wait_s += time.perf_counter() - wait_start
-        state, step_metrics = setup.train_step(state, to_global_batch(local, mesh))
-        if ckpt and ckpt.should_save(step, t.steps):
+        try:
+          batch, host_metrics = feeder.next_batch(state, step, next_local)
+        except RewardError:
+          # Nothing is lost: the last finished step is saved before the run stops.
+          if ckpt and saved_step != step - 1 and step > start_step + 1:
+            ckpt.save(step - 1, checkpointed(state), train_iter, _meta(config, step - 1))
+          raise
+        state, step_metrics = setup.train_step(state, batch)
+        if ckpt and ckpt.should_save(step, t.steps) and feeder.at_boundary(step):
           # Blocks only to copy the state off the devices; files are written in the background.
           ckpt.save(step, checkpointed(state), train_iter, _meta(config, step))
           saved_step = step
@@ -200,18 +190,19 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
                            metric_names=objective.metric_names))
           pending = None
         if step % t.log_every == 0 or step == t.steps:
-          pending = (step, step_metrics)
+          pending = (step, {**step_metrics, **host_metrics})
         if step % t.eval_every == 0 or step == t.steps:
           # Finish the queued train steps first: only the eval itself is excluded from
           # the throughput interval.
           jax.block_until_ready(state.params)
           eval_start = time.perf_counter()
-          evaluated = evaluate(setup, state, eval_batches)
+          evaluated = feeder.evaluate(state, step, eval_batches)
           last["eval_loss"] = evaluated.pop("eval_loss")
+          last.update(evaluated)
           if writer:
             writer.write_eval(step, last["eval_loss"], **evaluated)
           meter.exclude(time.perf_counter() - eval_start)
-        if stop.poll(step):
+        if stop.poll(step) and feeder.at_boundary(step):
           if ckpt and saved_step != step:
             ckpt.save(step, checkpointed(state), train_iter, _meta(config, step))
           if ckpt:
@@ -235,7 +226,8 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
     if ckpt:
       ckpt.close()  # waits for the last save to be committed
   return {"loss": last.get("loss", float("nan")), "eval_loss": last.get("eval_loss", float("nan")),
-          "preempted_at": last.get("preempted_at")}
+          "preempted_at": last.get("preempted_at"),
+          **{k: v for k, v in last.items() if k.startswith("eval_") and k != "eval_loss"}}
 
 
 class _StopOnSignal:
@@ -331,10 +323,10 @@ def _restore_or_init(setup: Setup, ckpt: Checkpointer | None, train_iter, seed: 
         state = setup.init_fn(jax.random.key(seed))
     if setup.make_frozen is not None:
       if chief and not init_from:
-        print(f"warning: {'LoRA base' if lora else 'DPO reference'} weights are a random init "
+        print(f"warning: {'LoRA base' if lora else 'reference'} weights are a random init "
               f"(no checkpoint.init_from): fine for a smoke test, meaningless for fine-tuning",
               flush=True)
-      what = "frozen base weights" if lora else "DPO reference weights"
+      what = "frozen base weights" if lora else f"{setup.objective.name.upper()} reference weights"
       state = state.replace(frozen=setup.make_frozen(base_params(what)))
   return state, step
 
@@ -410,7 +402,7 @@ class _Throughput:
 
 def _log(writer, meter: _Throughput, spikes: LossSpikeDetector, step: int, device_metrics, *,
          skipped_steps: int = 0, metric_names: tuple[str, ...] = ()) -> dict[str, float]:
-  m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+  m = {k: None if v is None else float(v) for k, v in jax.device_get(device_metrics).items()}
   spike = spikes.update(m["loss"])
   if spike and writer:
     print(f"warning: step {step}: {spike}", flush=True)
@@ -422,3 +414,6 @@ def _log(writer, meter: _Throughput, spikes: LossSpikeDetector, step: int, devic
   if writer:
     writer.write_train(step, record)
   return {"loss": m["loss"]}
+
+
+__all__ = ["checkpointed", "evaluate", "run", "to_global_batch"]

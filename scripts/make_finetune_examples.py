@@ -1,11 +1,14 @@
 """Writes the small fine-tuning data sets the tiny SFT/LoRA/QLoRA/DPO configs train on.
 
-  python scripts/make_finetune_examples.py   # -> examples/finetune/{sft,preference}.jsonl
+  python scripts/make_finetune_examples.py
+  # -> examples/finetune/{sft,preference}.jsonl and examples/grpo/reverse.jsonl
 
 The task is reversing a word, which a byte-level model can learn in a few hundred CPU steps:
   sft.jsonl         {"prompt": "reverse: python\\n", "completion": "nohtyp"}
   preference.jsonl  {"prompt": ..., "chosen": the reversal, "rejected": a wrong answer (the word
                     copied, or reversed but in capitals)}
+  reverse.jsonl     {"prompt": "reverse: python\n", "answer": "nohtyp"}: GRPO prompts, the
+                    answer column read by the reward functions
 Words are pronounceable letter strings from a seeded generator, so the files are the same on
 every machine and the committed copies can be checked against a rerun.
 """
@@ -16,8 +19,9 @@ import json
 import os
 import random
 
-OUT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
-                                   "finetune"))
+EXAMPLES = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                        "examples"))
+OUT = os.path.join(EXAMPLES, "finetune")
 CONSONANTS, VOWELS = "bcdfghjklmnprstvwz", "aeiou"
 
 
@@ -56,6 +60,9 @@ def main():
   write(os.path.join(OUT, "sft.jsonl"), [sft_record(w) for w in words(3000, seed=1)])
   write(os.path.join(OUT, "preference.jsonl"),
         [preference_record(w, i) for i, w in enumerate(words(3000, seed=2))])
+  os.makedirs(os.path.join(EXAMPLES, "grpo"), exist_ok=True)
+  write(os.path.join(EXAMPLES, "grpo", "reverse.jsonl"),
+        [{"prompt": f"reverse: {w}\n", "answer": w[::-1]} for w in words(3000, seed=3)])
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def test_get_reads_the_objective_and_its_settings_from_the_config():
   assert objectives.get(dpo) is dpo
   with pytest.raises(ValueError, match="unknown objective 'ppo'"):
     objectives.get("ppo")
-  assert set(objectives.NAMES) == {"lm", "dpo"}
+  assert set(objectives.NAMES) == {"lm", "dpo", "grpo"}
 
 
 def test_language_model_batches_and_flops():

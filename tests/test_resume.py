@@ -38,10 +38,11 @@ def _saving(workdir) -> bool:
   return os.path.isdir(ckpt_dir) and any("tmp" in n for n in os.listdir(ckpt_dir))
 
 
-def _kill_after_step(workdir, step, during_save=False):
-  """Starts a run and SIGKILLs it once metrics.jsonl shows `step` (and, with `during_save`,
-  at the next moment a checkpoint is half written)."""
-  proc = subprocess.Popen(main_command(*_args(workdir)), cwd=REPO, env=main_env(),
+def kill_after_step(workdir, step, during_save=False, args=None):
+  """Starts a run (of `args`, default the tiny one here) and SIGKILLs it once metrics.jsonl
+  shows `step` (and, with `during_save`, at the next moment a checkpoint is half written)."""
+  args = _args(workdir) if args is None else args
+  proc = subprocess.Popen(main_command(*args), cwd=REPO, env=main_env(),
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   path = os.path.join(workdir, "metrics.jsonl")
   deadline = time.time() + 300
@@ -71,7 +72,7 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.parametrize("seed,during_save", [(0, False), (1, False), (2, True)])
 def test_resume_after_sigkill_matches_uninterrupted(tmp_path, uninterrupted, seed, during_save):
   kill_step = random.Random(seed).randint(2, STEPS - 2)
-  torn = _kill_after_step(tmp_path, kill_step, during_save)
+  torn = kill_after_step(tmp_path, kill_step, during_save)
   ckpt_dir = tmp_path / "checkpoints"
   committed = sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit()) if ckpt_dir.exists() else []
   if during_save:

@@ -45,10 +45,12 @@ from jaxtrain.data.tokenizer import Tokenizer, render_chat
 
 __all__ = [
     "KINDS", "RECORD_SHAPES", "ROLES", "TRAIN_ON", "chat_features", "lm_features",
-    "preference_features", "prompt_completion_features", "record_features", "truncate",
+    "preference_features", "prompt_completion_features", "prompt_ids", "record_features",
+    "truncate",
 ]
 
-KINDS = ("text", "prompt_completion", "chat", "preference")
+# "prompt" records are GRPO's: a prompt to complete, no target text (see `prompt_ids`).
+KINDS = ("text", "prompt_completion", "chat", "preference", "prompt")
 TRAIN_ON = ("assistant", "last_assistant", "all")
 
 
@@ -210,6 +212,34 @@ def preference_features(tokenizer: Tokenizer, record: Mapping[str, Any], *,
   return out
 
 
+def prompt_ids(tokenizer: Tokenizer, record: Mapping[str, Any], *, add_bos: bool | None = None,
+               where: str | int | None = None) -> np.ndarray:
+  """int32 ids of a prompt record's prompt, ready for generation (GRPO rollouts).
+
+  A string prompt is raw text: [BOS] + encode(prompt), BOS by default (as for
+  `preference_features`). A messages-list prompt is rendered with the chat template and its
+  generation prompt, so the model continues as the assistant; BOS follows the template.
+  """
+  kind = "prompt"
+  check_mapping(record, kind, where)
+  if "prompt" not in record:
+    raise error(where, kind, f"missing key 'prompt' (keys: {keys(record)})")
+  prompt = record["prompt"]
+  if isinstance(prompt, str):
+    if not prompt:
+      raise error(where, kind, "'prompt' is empty")
+    return np.concatenate([_bos_ids(tokenizer, True if add_bos is None else add_bos),
+                           tokenizer.encode(prompt)]).astype(np.int32)
+  if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, Mapping)):
+    raise error(where, kind, f"'prompt' is {type_name(prompt)}; expected a string or a list "
+                 f"of messages")
+  messages = check_messages({"messages": prompt}, kind, where, key="prompt")
+  text = _render(tokenizer, messages, True, where, "the prompt with the generation prompt", kind)
+  text, template_bos = _strip_bos_text(tokenizer, text)
+  return np.concatenate([_bos_ids(tokenizer, _want_bos(tokenizer, add_bos, template_bos)),
+                         _encode(tokenizer, text, _unparsed_specials(tokenizer))]).astype(np.int32)
+
+
 def record_features(tokenizer: Tokenizer, record: Any, kind: str, *,
                     add_bos: bool | None = None, add_eos: bool | None = None,
                     train_on: str = "assistant",
@@ -238,6 +268,8 @@ def record_features(tokenizer: Tokenizer, record: Any, kind: str, *,
                          where=where)
   if kind == "preference":
     return preference_features(tokenizer, record, add_bos=add_bos, add_eos=add_eos, where=where)
+  if kind == "prompt":
+    return {"prompt_ids": prompt_ids(tokenizer, record, add_bos=add_bos, where=where)}
   raise ConfigError(f"record kind {kind!r}: unknown; choose one of {', '.join(KINDS)}")
 
 

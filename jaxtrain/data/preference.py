@@ -94,21 +94,22 @@ class RecordSubset:
     return self.source[int(self.indices_N[int(i)])]
 
 
-def load_splits(config):
-  """(train, eval) record sources of preference pairs from `data.train_paths` (and
-  `data.eval_paths`, or a held-out `data.eval_fraction` of the training records)."""
+def load_record_splits(config, *, needs: str, what: str):
+  """(train, eval) JSONL record sources from `data.train_paths` (and `data.eval_paths`, or a
+  held-out `data.eval_fraction` of the training records). `needs` says who needs them and `what`
+  the records are, for the config errors."""
   from jaxtrain.data import pipeline  # pylint: disable=import-outside-toplevel  (import cycle)
   from jaxtrain.data import sources  # pylint: disable=import-outside-toplevel
   d = config.data
   if d.source != "jsonl":
-    raise ConfigError(f"data.format='preference': needs data.source='jsonl' (records "
-                      f"{{prompt, chosen, rejected}}), got {d.source!r}")
+    raise ConfigError(f"data.format={d.format!r}: needs data.source='jsonl' ({what}), got "
+                      f"{d.source!r}")
   if not d.train_paths:
-    raise ConfigError("data.train_paths='': DPO needs JSONL files of preference pairs; set "
-                      "data.train_paths to a path or glob")
+    raise ConfigError(f"data.train_paths='': {needs} needs JSONL files of {what}; set "
+                      f"data.train_paths to a path or glob")
 
-  def records(paths, what):
-    return sources.JsonlSource(paths, field=None, on_bad_record=d.on_bad_record, what=what)
+  def records(paths, which):
+    return sources.JsonlSource(paths, field=None, on_bad_record=d.on_bad_record, what=which)
   train = records(d.train_paths, "train_paths")
   if d.eval_paths:
     return train, records(d.eval_paths, "eval_paths")
@@ -116,7 +117,14 @@ def load_splits(config):
   return RecordSubset(train, train_N), RecordSubset(train, eval_N)
 
 
-def _local_batch(config, process_count: int) -> int:
+def load_splits(config):
+  """(train, eval) record sources of preference pairs (see `load_record_splits`)."""
+  return load_record_splits(config, needs="DPO",
+                            what="preference pairs {prompt, chosen, rejected}")
+
+
+def local_batch_size(config, process_count: int) -> int:
+  """train.global_batch_size / process_count (ConfigError when it does not divide)."""
   gbs = config.train.global_batch_size
   if gbs % process_count:
     raise ConfigError(f"train.global_batch_size={gbs}: must be divisible by the process count "
@@ -131,7 +139,7 @@ def make_train_iterator(config, *, process_index: int = 0, process_count: int = 
   train, _ = load_splits(config)
   tok = pipeline._tokenizer(config.data.tokenizer)  # pylint: disable=protected-access
   ds = preference_dataset(train, tok, seq_len=config.train.seq_len,
-                          batch_size=_local_batch(config, process_count),
+                          batch_size=local_batch_size(config, process_count),
                           vocab_size=config.model.vocab_size, seed=int(config.data.seed),
                           process_index=process_index, process_count=process_count)
   return iter(ds)
@@ -148,7 +156,7 @@ def make_eval_batches(config, *, process_index: int = 0,
   _, evals = load_splits(config)
   tok = pipeline._tokenizer(config.data.tokenizer)  # pylint: disable=protected-access
   ds = preference_dataset(evals, tok, seq_len=config.train.seq_len,
-                          batch_size=_local_batch(config, process_count),
+                          batch_size=local_batch_size(config, process_count),
                           vocab_size=config.model.vocab_size,
                           seed=int(config.data.seed) + _EVAL_SEED_OFFSET,
                           process_index=process_index, process_count=process_count)

@@ -19,6 +19,8 @@ RECORD_SHAPES = {
              'ending with a non-empty assistant message'),
     "preference": ('{"prompt": str or [{"role": ..., "content": str}, ...], "chosen": str, '
                    '"rejected": str} with non-empty chosen and rejected'),
+    "prompt": ('{"prompt": str or [{"role": ..., "content": str}, ...], ...other fields} '
+               '(the other fields go to the reward functions)'),
 }
 
 

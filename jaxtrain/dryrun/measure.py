@@ -31,7 +31,7 @@ from jaxtrain import objectives, train_setup
 from jaxtrain.attention import context_kernel_platform, impl_under_stages
 from jaxtrain.config_checks import validate
 from jaxtrain.dryrun import hlo_flops
-from jaxtrain.mesh import MeshShape, batch_sharding, make_mesh, platform_of_backend
+from jaxtrain.mesh import MeshShape, make_mesh, platform_of_backend
 from jaxtrain.model import ModelConfig
 
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
@@ -153,7 +153,7 @@ def measure(config, devices, platform: str | None = None) -> Measurement:
 
 def abstract_batch(config, mesh) -> dict[str, jax.ShapeDtypeStruct]:
   """One global batch of the run's objective as shapes, sharded like the trainer's batches."""
-  return objectives.get(config).abstract_batch(config, batch_sharding(mesh))
+  return objectives.get(config).abstract_batch(config, mesh)
 
 
 def _param_shards(tree, prefix: str = "") -> list[ParamShard]:

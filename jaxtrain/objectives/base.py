@@ -53,9 +53,22 @@ class Objective(abc.ABC):
   def batch_shapes(self, config) -> dict[str, tuple[tuple[int, ...], Any]]:
     """{key: (global shape, dtype)} of one global batch."""
 
-  def abstract_batch(self, config, sharding) -> dict[str, jax.ShapeDtypeStruct]:
-    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  def batch_shardings(self, config, mesh) -> dict[str, Any]:
+    """{key: sharding}: every [B, ...] array of its batch split over the data-parallel axes."""
+    from jaxtrain.mesh import batch_sharding  # pylint: disable=import-outside-toplevel
+    return {k: batch_sharding(mesh, len(shape))
+            for k, (shape, _) in self.batch_shapes(config).items()}
+
+  def abstract_batch(self, config, mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    shardings = self.batch_shardings(config, mesh)
+    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[k])
             for k, (shape, dtype) in self.batch_shapes(config).items()}
+
+  def make_feeder(self, config, setup, workdir):
+    """What the loop asks for each step's device batch and each eval (jaxtrain.feeders)."""
+    del config, workdir
+    from jaxtrain.feeders import Feeder  # pylint: disable=import-outside-toplevel
+    return Feeder(setup)
 
   def tokens_per_step(self, config) -> int:
     """Tokens one step trains on (the throughput meter's tokens)."""
@@ -105,3 +118,12 @@ class Objective(abc.ABC):
 def zeros_like_params(params):
   """Adapters of zero: the base alone (LoRA adds exactly 0), the reference under LoRA."""
   return jax.tree.map(jnp.zeros_like, params)
+
+
+def reference_model(graphdef, params, frozen):
+  """The frozen reference policy: the initial params under full fine-tuning (frozen.reference),
+  the base with adapters off under LoRA."""
+  from jaxtrain.train_step import merge_model  # pylint: disable=import-outside-toplevel
+  if frozen is not None and frozen.reference is not None:
+    return merge_model(graphdef, frozen.reference, frozen)
+  return merge_model(graphdef, zeros_like_params(params), frozen)

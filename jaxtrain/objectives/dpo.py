@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jaxtrain import dpo as dpo_lib
 from jaxtrain.config import ConfigError
-from jaxtrain.objectives.base import Objective, zeros_like_params
+from jaxtrain.objectives.base import Objective, reference_model
 
 
 class DPO(Objective):
@@ -53,11 +53,8 @@ class DPO(Objective):
     beta = self.beta
 
     def reference_logprobs(params, frozen, batch):
-      if frozen is not None and frozen.reference is not None:
-        reference = merge_model(graphdef, frozen.reference, frozen)
-      else:
-        reference = merge_model(graphdef, zeros_like_params(params), frozen)
-      return dpo_lib.reference_logprobs(reference, batch, chunk_size=loss_chunk_size)
+      return dpo_lib.reference_logprobs(reference_model(graphdef, params, frozen), batch,
+                                        chunk_size=loss_chunk_size)
 
     def sums(params, frozen, batch, reference, dropout_key):
       policy = merge_model(graphdef, params, frozen)

@@ -1,0 +1,187 @@
+"""Group relative policy optimization: completions sampled in the loop, scored by reward
+functions, trained with the clipped, KL-penalized policy loss (the math: jaxtrain.grpo; the
+rollouts: jaxtrain.rollouts).
+
+A step's batch is train.global_batch_size prompts × grpo.num_generations completions, each a row
+of train.seq_len tokens (prompt, completion, padding) with the loss on the completion tokens.
+Each batch of rollouts trains grpo.num_iterations optimizer steps; with one, the sampling
+policy is the trained one and its log-probs are the policy's own, without gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain import grpo as grpo_lib
+from jaxtrain import rewards
+from jaxtrain.config import REWARD_ERROR_POLICIES, ConfigError
+from jaxtrain.objectives.base import Objective, reference_model
+
+# Metrics of the rollouts, measured on the host (jaxtrain.rollouts) and logged per step beside
+# the loss's own (kl, clip_fraction).
+ROLLOUT_METRICS = ("reward_mean", "reward_std", "completion_len_mean", "generation_share",
+                   "reward_errors")
+
+
+class GRPO(Objective):
+  name = "grpo"
+  metric_names = grpo_lib.METRIC_NAMES + ROLLOUT_METRICS
+  unit = "completions"
+
+  def __init__(self, settings):
+    self.settings = settings
+    self.num_generations = int(settings.num_generations)
+    self.num_iterations = int(settings.num_iterations)
+    self.epsilon, self.beta = float(settings.epsilon), float(settings.beta)
+    # With beta 0 the loss never reads the reference: no frozen copy, no extra forward.
+    self.uses_reference = self.beta > 0
+
+  def reward_fn_names(self) -> list[str]:
+    return [n.strip() for n in str(self.settings.reward_fns).split(",") if n.strip()]
+
+  def check(self, config):
+    g = self.settings
+    if config.data.format != "prompt":
+      raise ConfigError(f"train.objective='grpo' with data.format={config.data.format!r}: GRPO "
+                        f"samples completions of prompts; set data.format='prompt' with JSONL "
+                        f"records {{prompt, ...fields for the rewards}}")
+    if self.num_generations < 2:
+      raise ConfigError(f"grpo.num_generations={g.num_generations}: must be at least 2 (the "
+                        f"advantages compare the completions of one prompt with each other)")
+    if self.num_iterations < 1:
+      raise ConfigError(f"grpo.num_iterations={g.num_iterations}: must be at least 1")
+    if self.beta < 0 or not 0 < self.epsilon < 1:
+      raise ConfigError(f"grpo.beta={g.beta}, grpo.epsilon={g.epsilon}: need beta >= 0 and "
+                        f"0 < epsilon < 1 (typical: 0.04 and 0.2)")
+    if g.temperature <= 0 or not 0 < g.top_p <= 1:
+      raise ConfigError(f"grpo.temperature={g.temperature}, grpo.top_p={g.top_p}: rollouts "
+                        f"need temperature > 0 (distinct samples) and 0 < top_p <= 1")
+    self._check_lengths(config)
+    if g.on_reward_error not in REWARD_ERROR_POLICIES:
+      raise ConfigError(f"grpo.on_reward_error={g.on_reward_error!r}: choose "
+                        f"{' or '.join(REWARD_ERROR_POLICIES)}")
+    names = self.reward_fn_names()
+    if not names:
+      raise ConfigError("grpo.reward_fns='': name at least one reward function as "
+                        "'module:function', e.g. 'jaxtrain.rewards:exact_match'")
+    for name in names:
+      try:
+        rewards.resolve(name)
+      except ValueError as e:
+        raise ConfigError(f"grpo.reward_fns: {e}") from None
+    self._check_mesh_and_steps(config)
+
+  def _check_lengths(self, config):
+    g, t = self.settings, config.train
+    positions = config.model.max_position_embeddings
+    if g.max_new_tokens < 1:
+      raise ConfigError(f"grpo.max_new_tokens={g.max_new_tokens}: must be at least 1")
+    if g.max_new_tokens >= positions:
+      raise ConfigError(f"grpo.max_new_tokens={g.max_new_tokens}: past the model's "
+                        f"{positions} positions (model.max_position_embeddings), with no room "
+                        f"for a prompt; lower it")
+    if g.max_new_tokens >= t.seq_len:
+      raise ConfigError(f"grpo.max_new_tokens={g.max_new_tokens} >= train.seq_len={t.seq_len}: "
+                        f"a prompt and its completion share one row of train.seq_len tokens; "
+                        f"raise train.seq_len or lower grpo.max_new_tokens")
+
+  def _check_mesh_and_steps(self, config):
+    if config.mesh.stage > 1:
+      raise ConfigError(f"mesh.stage={config.mesh.stage} with train.objective='grpo': the "
+                        f"rollouts' decode loop does not run through pipeline stages; use "
+                        f"data, fsdp and tensor")
+    if config.mesh.context > 1:
+      raise ConfigError(f"mesh.context={config.mesh.context} with train.objective='grpo': "
+                        f"rollout rows are short and decode one token at a time; use data, "
+                        f"fsdp and tensor")
+    mu = self.num_iterations
+    every = config.checkpoint.every_steps
+    if mu > 1 and (config.train.steps % mu or (every > 0 and every % mu)):
+      raise ConfigError(f"grpo.num_iterations={mu}: train.steps={config.train.steps} and "
+                        f"checkpoint.every_steps={every} must be multiples of it (a checkpoint "
+                        f"falls between batches of rollouts, so a resumed run samples the "
+                        f"same completions)")
+
+  def describe_row(self, seq_len):
+    return f"a GRPO row (prompt + completion, {seq_len} tokens)"
+
+  def rows_per_step(self, config) -> int:
+    return config.train.global_batch_size * self.num_generations
+
+  def batch_shapes(self, config):
+    b, t = self.rows_per_step(config), config.train.seq_len
+    shapes = {k: ((b, t), jnp.float32 if k == "loss_mask" else jnp.int32)
+              for k in grpo_lib.TOKEN_KEYS}
+    shapes["advantages"] = ((b,), jnp.float32)
+    if self.num_iterations > 1:
+      shapes[grpo_lib.OLD_LOGPROBS] = ((b, t), jnp.float32)
+    return shapes
+
+  def tokens_per_step(self, config):
+    return self.rows_per_step(config) * config.train.seq_len
+
+  def forward_passes(self) -> float:
+    """Forward passes over a step's rows beside the policy's forward and backward: the
+    reference's, and per batch of rollouts (shared by its num_iterations steps) the generation
+    and, with several iterations, the sampling policy's log-probs."""
+    per_rollout = 1.0 + (1.0 if self.num_iterations > 1 else 0.0)
+    return (1.0 if self.uses_reference else 0.0) + per_rollout / self.num_iterations
+
+  def flops_per_step(self, config, model_config=None):
+    # A forward pass is 2 of the 6 FLOPs per weight and token.
+    return super().flops_per_step(config, model_config) * (1.0 + self.forward_passes() / 3)
+
+  def flops_note(self):
+    return (f" × {1 + self.forward_passes() / 3:.3g} (GRPO: reference, generation at full "
+            f"length, old log-probs)")
+
+  def loss_sums(self, graphdef, loss_chunk_size):
+    from jaxtrain.train_step import merge_model  # pylint: disable=import-outside-toplevel
+    epsilon, beta, reuse = self.epsilon, self.beta, self.num_iterations > 1
+
+    def reference_logprobs(params, frozen, batch):
+      if not beta:
+        return None
+      reference = reference_model(graphdef, params, frozen)
+      rows = grpo_lib.in_layout(reference, batch)
+      return jax.lax.stop_gradient(
+          grpo_lib.token_logprobs(reference, rows, chunk_size=loss_chunk_size))
+
+    def sums(params, frozen, batch, ref_logprobs_BT, dropout_key):
+      policy = merge_model(graphdef, params, frozen)
+      rows = grpo_lib.in_layout(policy, batch)
+      logprobs_BT = grpo_lib.token_logprobs(policy, rows, chunk_size=loss_chunk_size,
+                                            dropout_key=dropout_key)
+      # One update per batch of rollouts: the sampling policy is this one (ratio 1, gradient
+      # of the ratio = gradient of the log-probs).
+      old_BT = rows[grpo_lib.OLD_LOGPROBS] if reuse else jax.lax.stop_gradient(logprobs_BT)
+      ref_BT = logprobs_BT if ref_logprobs_BT is None else ref_logprobs_BT
+      return grpo_lib.grpo_sums(logprobs_BT, old_BT, jax.lax.stop_gradient(ref_BT),
+                                rows["advantages"], rows["loss_mask"], epsilon=epsilon,
+                                beta=beta)
+    return reference_logprobs, sums
+
+  def data_module(self):
+    from jaxtrain.data import prompts  # pylint: disable=import-outside-toplevel
+    return prompts
+
+  def batch_rows(self, config, model_cfg, per_device):
+    t, g = config.train, self.settings
+    reference = ("none (grpo.beta=0)" if not self.uses_reference else
+                 "the base with adapters off" if model_cfg.lora_rank else "frozen initial params")
+    rows = self.rows_per_step(config)
+    per_device_rows = per_device * self.num_generations
+    return [
+        ("global batch", f"{t.global_batch_size} prompts × {g.num_generations} completions = "
+                         f"{rows} rows × {t.seq_len} tokens (≤ {g.max_new_tokens} generated)"),
+        ("per-device batch", f"{per_device_rows:g} rows (grad accum {t.grad_accum_steps})"),
+        ("objective", f"GRPO, epsilon {g.epsilon}, beta {g.beta}, {g.num_iterations} "
+                      f"update(s) per rollout batch; reference: {reference}"),
+        ("rollouts", f"temperature {g.temperature}, top-p {g.top_p}; rewards "
+                     f"{', '.join(self.reward_fn_names())} (on error: {g.on_reward_error})"),
+    ]
+
+  def make_feeder(self, config, setup, workdir):
+    from jaxtrain import rollouts  # pylint: disable=import-outside-toplevel
+    return rollouts.Rollouts(config, setup, self, workdir)

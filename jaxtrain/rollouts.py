@@ -1,0 +1,245 @@
+"""GRPO's batches: completions sampled with the live weights, scored, turned into training rows.
+
+Each batch of rollouts: the step's prompts (train.global_batch_size of them) are repeated
+grpo.num_generations times, completed by one jitted prefill-and-decode (`generate`'s, over the
+run's mesh, reading the sharded params in place), decoded to text and scored by the reward
+functions; the group-relative advantages and the [B, T] rows of prompt + completion (loss on
+the completion tokens) are the train step's batch for grpo.num_iterations steps.
+
+Sampling keys are fold_in(key(train.seed), step), so a resumed run draws the same completions as
+an uninterrupted one. Rows of one prompt stay on the process that read it (the repeat happens
+on the host), so each process scores its own rows. Everything a reward function returns is
+checked (jaxtrain.rewards.score); grpo.on_reward_error says whether a failure stops the run or
+skips that batch of rollouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain import generate as generate_lib
+from jaxtrain import grpo as grpo_lib
+from jaxtrain import rewards
+from jaxtrain.data import pipeline as data_pipeline
+from jaxtrain.data import prompts as prompts_lib
+from jaxtrain.feeders import Feeder, to_global_batch
+from jaxtrain.mesh import BATCH_AXES, batch_sharding, replicated
+from jaxtrain.train_step import merge_model
+
+COMPLETIONS_FILE = "completions.jsonl"
+
+
+def local_rows(x: jax.Array, mesh) -> np.ndarray:
+  """This process's rows of a global batch-sharded array, in the order it fed them."""
+  if jax.process_count() == 1:
+    return np.asarray(x)
+  spec = P(BATCH_AXES, *([None] * (x.ndim - 1)))
+  return np.asarray(multihost_utils.global_array_to_host_local_array(x, mesh, spec))
+
+
+def completion_lengths(tokens_BN: np.ndarray, eos_id: int | None) -> np.ndarray:
+  """[B] tokens of each completion: up to and including its first EOS, else all N."""
+  n = tokens_BN.shape[1]
+  if eos_id is None:
+    return np.full(tokens_BN.shape[0], n, np.int32)
+  is_eos_BN = tokens_BN == eos_id
+  return np.where(is_eos_BN.any(axis=1), is_eos_BN.argmax(axis=1) + 1, n).astype(np.int32)
+
+
+def training_rows(prompt_BP: np.ndarray, prompt_len_B: np.ndarray, tokens_BN: np.ndarray,
+                  completion_len_B: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+  """The language-model rows of prompt + completion, [B, seq_len] each: position t predicts
+  token t+1, and the loss mask marks the targets that are completion tokens."""
+  b = prompt_BP.shape[0]
+  rows = {"inputs": np.zeros((b, seq_len), np.int32), "targets": np.zeros((b, seq_len), np.int32),
+          "loss_mask": np.zeros((b, seq_len), np.float32),
+          "segment_ids": np.zeros((b, seq_len), np.int32),
+          "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (b, seq_len)).copy()}
+  for i in range(b):
+    p, c = int(prompt_len_B[i]), int(completion_len_B[i])
+    z = np.concatenate([prompt_BP[i, :p], tokens_BN[i, :c]])
+    m = len(z) - 1  # positions with a target
+    rows["inputs"][i, :m] = z[:-1]
+    rows["targets"][i, :m] = z[1:]
+    rows["segment_ids"][i, :m] = 1
+    rows["loss_mask"][i, p - 1:m] = 1.0  # targets p .. p+c-1: the completion
+  return rows
+
+
+class Rollouts(Feeder):
+  """The GRPO feeder: one batch of rollouts every grpo.num_iterations steps."""
+
+  def __init__(self, config, setup, objective, workdir: str):
+    super().__init__(setup)
+    g = config.grpo
+    self.objective, self.workdir = objective, workdir
+    self.group, self.iterations = objective.num_generations, objective.num_iterations
+    self.seq_len, self.seed = int(config.train.seq_len), int(config.train.seed)
+    self.loss_chunk_size = int(config.train.loss_chunk_size)
+    self.tokenizer = data_pipeline._tokenizer(config.data.tokenizer)  # pylint: disable=protected-access
+    self.sampling = generate_lib.SamplingConfig(
+        max_new_tokens=int(g.max_new_tokens), temperature=float(g.temperature),
+        top_p=float(g.top_p), eos_id=self.tokenizer.eos_id)
+    self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_p=1.0)
+    self.reward_fns = [(name, rewards.resolve(name)) for name in objective.reward_fn_names()]
+    self.on_error, self.max_skipped = g.on_reward_error, int(g.max_skipped_batches)
+    self.sample_prompts = int(g.sample_prompts)
+    self.train_records, self.eval_records = prompts_lib.load_splits(config)
+    self.is_chief = jax.process_index() == 0
+    self._generate = {}
+    self._old_logprobs = self._jit_old_logprobs() if self.iterations > 1 else None
+    self.current = None  # (device batch, host metrics) of the latest rollouts
+    self.reward_errors = 0  # batches of rollouts skipped for a reward function's failure
+    self._last_rollout_end = None
+
+  # -- jitted pieces ------------------------------------------------------------------------------
+
+  def _jit_generate(self, sampling):
+    if sampling not in self._generate:
+      setup, mesh = self.setup, self.setup.mesh
+      graphdef = setup.graphdef
+
+      def sample(params, frozen, prompt_BP, lengths_B, key):
+        model = merge_model(graphdef, params, frozen)
+        return generate_lib.sample_continuations(model, prompt_BP, lengths_B, key, sampling)
+      self._generate[sampling] = jax.jit(
+          sample, in_shardings=(setup.shardings.params, setup.frozen_shardings,
+                                batch_sharding(mesh), batch_sharding(mesh, 1), replicated(mesh)),
+          out_shardings=batch_sharding(mesh))
+    return self._generate[sampling]
+
+  def _jit_old_logprobs(self):
+    setup, chunk = self.setup, self.loss_chunk_size
+    graphdef = setup.graphdef
+
+    def old_logprobs(params, frozen, batch):
+      # Layout order: GRPO runs without a context axis (its config check), so it is the rows'.
+      model = merge_model(graphdef, params, frozen)
+      return grpo_lib.token_logprobs(model, batch, chunk_size=chunk)
+    shardings = {k: batch_sharding(setup.mesh) for k in grpo_lib.TOKEN_KEYS}
+    return jax.jit(old_logprobs, in_shardings=(setup.shardings.params, setup.frozen_shardings,
+                                               shardings),
+                   out_shardings=batch_sharding(setup.mesh))
+
+  # -- one batch of rollouts ----------------------------------------------------------------------
+
+  def _complete(self, state, prompt_BP, lengths_B, key, sampling):
+    """(completion tokens [B, N], their lengths [B]) of this process's rows."""
+    mesh = self.setup.mesh
+    inputs = to_global_batch({"prompt": prompt_BP, "lengths": lengths_B}, mesh)
+    with jax.set_mesh(mesh):
+      tokens = self._jit_generate(sampling)(state.params, state.frozen, inputs["prompt"],
+                                            inputs["lengths"], key)
+    tokens_BN = local_rows(tokens, mesh)
+    return tokens_BN, completion_lengths(tokens_BN, sampling.eos_id)
+
+  def _score(self, records, prompt_BP, lengths_B, tokens_BN, completion_len_B):
+    """(rewards [B], prompt texts, completion texts): raises rewards.RewardError."""
+    decode = self.tokenizer.decode
+    prompts = [decode(prompt_BP[i, :lengths_B[i]]) for i in range(len(records))]
+    completions = [decode(tokens_BN[i, :completion_len_B[i]]) for i in range(len(records))]
+    names = sorted({k for r in records for k in r if k != "prompt"})
+    columns = {k: [r.get(k) for r in records] for k in names}
+    return rewards.score(self.reward_fns, prompts, completions, columns), prompts, completions
+
+  def _rollout(self, state, step: int, local: dict, attempt: int):
+    g = self.group
+    prompt_BP = np.repeat(local["prompt_ids"], g, axis=0)
+    lengths_B = np.repeat(local["prompt_lengths"], g, axis=0)
+    records = [self.train_records[int(i)] for i in np.repeat(local["record_index"], g)]
+    key = jax.random.fold_in(jax.random.key(self.seed), step)
+    if attempt:
+      key = jax.random.fold_in(key, attempt)
+    jax.block_until_ready(state.params)  # the last step's update: not generation time
+    start = time.perf_counter()
+    tokens_BN, completion_len_B = self._complete(state, prompt_BP, lengths_B, key, self.sampling)
+    generation_s = time.perf_counter() - start
+    rewards_B, _, _ = self._score(records, prompt_BP, lengths_B, tokens_BN, completion_len_B)
+    rows = training_rows(prompt_BP, lengths_B, tokens_BN, completion_len_B, self.seq_len)
+    rows["advantages"] = np.asarray(grpo_lib.group_advantages(rewards_B, g), np.float32)
+    batch = to_global_batch(rows, self.setup.mesh)
+    if self._old_logprobs is not None:
+      with jax.set_mesh(self.setup.mesh):
+        batch[grpo_lib.OLD_LOGPROBS] = self._old_logprobs(
+            state.params, state.frozen, {k: batch[k] for k in grpo_lib.TOKEN_KEYS})
+    metrics = {"reward_mean": float(rewards_B.mean()), "reward_std": float(rewards_B.std()),
+               "completion_len_mean": float(completion_len_B.mean())}
+    return batch, metrics, generation_s
+
+  def next_batch(self, state, step: int, next_local):
+    if (step - 1) % self.iterations == 0 or self.current is None:
+      self.current = self._new_rollouts(state, step, next_local)
+    batch, metrics = self.current
+    return batch, {**metrics, "reward_errors": float(self.reward_errors)}
+
+  def _new_rollouts(self, state, step: int, next_local):
+    previous_end = self._last_rollout_end
+    attempt = 0
+    while True:
+      start = time.perf_counter()
+      local = next_local()
+      self.data_wait_s += time.perf_counter() - start
+      try:
+        batch, metrics, generation_s = self._rollout(state, step, local, attempt)
+        break
+      except rewards.RewardError as e:
+        if self.on_error != "skip":
+          raise
+        self.reward_errors += 1
+        attempt += 1
+        if self.is_chief:
+          print(f"warning: step {step}: {e}; batch of rollouts skipped "
+                f"(grpo.on_reward_error='skip')", flush=True)
+        if attempt >= self.max_skipped:
+          raise rewards.RewardError(f"{e} ({attempt} batches of rollouts in a row; "
+                                    f"grpo.max_skipped_batches={self.max_skipped})") from None
+    end = time.perf_counter()
+    # The share of wall time spent generating, between this batch of rollouts and the last.
+    interval = end - previous_end if previous_end is not None else None
+    self._last_rollout_end = end
+    metrics["generation_share"] = (min(1.0, generation_s / interval) if interval else None)
+    return batch, metrics
+
+  def at_boundary(self, step: int) -> bool:
+    return step % self.iterations == 0
+
+  # -- evaluation ---------------------------------------------------------------------------------
+
+  def evaluate(self, state, step: int, eval_batches):
+    """Greedy completions of the eval prompts: their mean reward and length (no loss: GRPO has
+    no held-out loss to report). The first grpo.sample_prompts go to completions.jsonl."""
+    all_rewards, all_lengths, samples = [], [], []
+    for local in eval_batches:
+      records = [self.eval_records[int(i)] for i in local["record_index"]]
+      tokens_BN, completion_len_B = self._complete(
+          state, local["prompt_ids"], local["prompt_lengths"], jax.random.key(self.seed),
+          self.greedy)
+      try:
+        rewards_B, prompts, completions = self._score(records, local["prompt_ids"],
+                                                       local["prompt_lengths"], tokens_BN,
+                                                       completion_len_B)
+      except rewards.RewardError as e:
+        if self.on_error != "skip":
+          raise
+        if self.is_chief:
+          print(f"warning: eval at step {step}: {e}; eval batch skipped", flush=True)
+        continue
+      all_rewards.append(rewards_B)
+      all_lengths.append(completion_len_B)
+      for p, c, r in zip(prompts, completions, rewards_B):
+        if len(samples) < self.sample_prompts:
+          samples.append({"step": step, "prompt": p, "completion": c, "reward": float(r)})
+    if self.is_chief and samples:
+      with open(os.path.join(self.workdir, COMPLETIONS_FILE), "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(s) + "\n" for s in samples)
+    mean = lambda parts: float(np.concatenate(parts).mean()) if parts else None
+    return {"eval_loss": None, "eval_reward_mean": mean(all_rewards),
+            "eval_completion_len_mean": mean(all_lengths)}

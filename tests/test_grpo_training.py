@@ -1,0 +1,182 @@
+"""GRPO inside the trainer, in-process: its rows, its train step (accumulation equals the full
+batch, one update per rollout batch has ratio 1), the cached decode under LoRA, its config
+checks and its FLOPs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtrain import generate, grpo, objectives, train_setup, trainer
+from jaxtrain.model import ModelConfig
+from jaxtrain.rollouts import completion_lengths, training_rows
+from jaxtrain.sharding import create_model
+from tests.helpers import assert_one_line_config_error, mesh_of, small_config
+
+G = 4
+
+
+def grpo_config(**grpo_settings):
+  c = small_config()
+  c.train.objective = "grpo"
+  c.data.source, c.data.format = "jsonl", "prompt"
+  c.train.global_batch_size = 4  # prompts: x G = 16 rows
+  c.grpo.num_generations = G
+  c.grpo.max_new_tokens = 12
+  c.grpo.reward_fns = "jaxtrain.rewards:similarity"
+  for k, v in grpo_settings.items():
+    setattr(c.grpo, k, v)
+  return c
+
+
+def test_training_rows_mark_exactly_the_completion_targets():
+  prompt_BP = np.array([[5, 6, 7, 0], [8, 9, 0, 0]], np.int32)
+  lengths_B = np.array([3, 2], np.int32)
+  tokens_BN = np.array([[11, 12, 2, 2], [13, 14, 15, 16]], np.int32)  # row 0 stops at EOS=2
+  clen_B = completion_lengths(tokens_BN, eos_id=2)
+  np.testing.assert_array_equal(clen_B, [3, 4])
+  rows = training_rows(prompt_BP, lengths_B, tokens_BN, clen_B, seq_len=8)
+  # Row 0: z = 5 6 7 11 12 2; position t predicts z[t+1]; completion targets are 11 12 2.
+  np.testing.assert_array_equal(rows["inputs"][0], [5, 6, 7, 11, 12, 0, 0, 0])
+  np.testing.assert_array_equal(rows["targets"][0], [6, 7, 11, 12, 2, 0, 0, 0])
+  np.testing.assert_array_equal(rows["loss_mask"][0], [0, 0, 1, 1, 1, 0, 0, 0])
+  np.testing.assert_array_equal(rows["segment_ids"][0], [1, 1, 1, 1, 1, 0, 0, 0])
+  # Row 1: z = 8 9 13 14 15 16 (no EOS within 4 tokens), all four completion tokens count.
+  np.testing.assert_array_equal(rows["targets"][1], [9, 13, 14, 15, 16, 0, 0, 0])
+  np.testing.assert_array_equal(rows["loss_mask"][1], [0, 1, 1, 1, 1, 0, 0, 0])
+  assert completion_lengths(tokens_BN, None).tolist() == [4, 4]
+
+
+def _rollout_batch(config, seed=0, old_logprobs=False):
+  """A batch as the rollouts build it: prompts of different lengths, completions of different
+  lengths, group-relative advantages of random rewards."""
+  rng = np.random.default_rng(seed)
+  b, t, v = config.train.global_batch_size * G, config.train.seq_len, config.model.vocab_size
+  n = config.grpo.max_new_tokens
+  p = t - n
+  prompt_BP = rng.integers(3, v, (b, p)).astype(np.int32)
+  lengths_B = rng.integers(1, p + 1, b).astype(np.int32)
+  tokens_BN = rng.integers(3, v, (b, n)).astype(np.int32)
+  rows = training_rows(prompt_BP, lengths_B, tokens_BN, rng.integers(1, n + 1, b), t)
+  rows["advantages"] = np.asarray(grpo.group_advantages(rng.random(b), G), np.float32)
+  if old_logprobs:
+    rows[grpo.OLD_LOGPROBS] = (-rng.random((b, t)) * 3).astype(np.float32)
+  return rows
+
+
+def _losses_and_grads(config, batch, mesh_shape=(1, 1, 1)):
+  setup = train_setup.build(config, mesh_of(mesh_shape))
+  state = train_setup.init_state(setup, seed=0)
+  with jax.set_mesh(setup.mesh):
+    after, metrics = setup.train_step(state, trainer.to_global_batch(batch, setup.mesh))
+  return metrics, jax.device_get(nnx.to_pure_dict(after.params))
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_accumulation_and_meshes_give_the_full_batch_step(iterations):
+  config = grpo_config(num_iterations=iterations)
+  config.train.steps = 10
+  batch = _rollout_batch(config, old_logprobs=iterations > 1)
+  want_metrics, want_params = _losses_and_grads(config, batch)
+  # One update per batch of rollouts: the policy is the sampling policy, ratio 1, nothing clipped.
+  if iterations == 1:
+    assert float(want_metrics["clip_fraction"]) == 0.0
+  else:
+    assert float(want_metrics["clip_fraction"]) > 0.0  # made-up old log-probs: ratios far off 1
+  config.train.grad_accum_steps = 2
+  for mesh_shape in [(1, 1, 1), (2, 2, 1)]:
+    metrics, params = _losses_and_grads(config, batch, mesh_shape)
+    for k in ("loss", "kl", "clip_fraction", "grad_norm"):
+      np.testing.assert_allclose(float(metrics[k]), float(want_metrics[k]), rtol=2e-5,
+                                 atol=1e-7, err_msg=f"{k} on {mesh_shape}")
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 params, want_params)
+  assert float(want_metrics["tokens"]) == config.train.global_batch_size * G  # sequences
+
+
+def test_loss_equals_grpo_loss_of_the_models_token_logprobs():
+  """The objective's loss is jaxtrain.grpo.grpo_loss of the policy's per-token log-probs, with
+  the reference's (here: the same initial params) and the batch's advantages."""
+  config = grpo_config(beta=0.1)
+  batch = _rollout_batch(config, seed=3)
+  setup = train_setup.build(config, mesh_of((1, 1, 1)))
+  state = train_setup.init_state(setup, seed=0)
+  model = nnx.merge(setup.graphdef, state.params)
+  logprobs = grpo.token_logprobs(model, {k: jnp.asarray(v) for k, v in batch.items()},
+                                 chunk_size=7)
+  # Against the full logits, no chunking.
+  logits = model(jnp.asarray(batch["inputs"]), jnp.asarray(batch["positions"]),
+                 jnp.asarray(batch["segment_ids"]))
+  full = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
+                             jnp.asarray(batch["targets"])[..., None], axis=-1)[..., 0]
+  mask = batch["loss_mask"] > 0
+  np.testing.assert_allclose(np.asarray(logprobs)[mask], np.asarray(full)[mask], rtol=1e-5,
+                             atol=1e-5)
+  want, want_metrics = grpo.grpo_loss(logprobs, logprobs, logprobs, batch["advantages"],
+                                      batch["loss_mask"], beta=0.1)
+  with jax.set_mesh(setup.mesh):
+    _, metrics = setup.train_step(state, trainer.to_global_batch(batch, setup.mesh))
+  np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-5, atol=1e-7)
+  assert float(metrics["kl"]) == pytest.approx(float(want_metrics["kl"]), abs=1e-7)
+
+
+def test_cached_decode_equals_the_forward_under_lora_and_qlora():
+  """The rollouts decode with adapters on (and a quantized base): the cached logits at every
+  step equal the training forward's."""
+  for quant in ("none", "nf4"):
+    cfg = ModelConfig(vocab_size=64, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
+                      head_dim=16, mlp_dim=128, max_position_embeddings=64,
+                      remat_policy="none", init_std=0.3, lora_rank=4,
+                      lora_targets=("q", "k", "v", "o", "gate", "up", "down"), base_quant=quant,
+                      quant_group_size=16)
+    model = create_model(cfg, mesh_of((1, 1, 1)), seed=0)
+    # Non-zero adapters (they start at B = 0), so a decode that skipped them would differ.
+    params = nnx.state(model, nnx.Param)
+    noisy = jax.tree.map(lambda x: x + 0.05 * jnp.ones_like(x) if x.ndim >= 2 else x, params)
+    nnx.update(model, noisy)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 10)), jnp.int32)
+    want = model(tokens)
+    cache = generate.empty_cache(model, 2, 10)
+    got, cache = generate.forward_with_cache(model, tokens[:, :4], jnp.zeros(2, jnp.int32), cache)
+    steps = [got]
+    for i in range(4, 10):
+      logits, cache = generate.forward_with_cache(model, tokens[:, i:i + 1],
+                                                  jnp.full(2, i, jnp.int32), cache)
+      steps.append(logits)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), np.asarray(want), rtol=2e-4,
+                               atol=2e-4, err_msg=quant)
+
+
+@pytest.mark.parametrize("override,words", [
+    ({"grpo.reward_fns": "jaxtrain.rewards:no_such_fn"}, ["grpo.reward_fns", "no_such_fn"]),
+    ({"grpo.reward_fns": "not_a_module_xyz:f"}, ["cannot import", "not_a_module_xyz"]),
+    ({"grpo.num_generations": 1}, ["grpo.num_generations=1", "at least 2"]),
+    ({"grpo.max_new_tokens": 300}, ["grpo.max_new_tokens=300", "256 positions"]),
+    ({"grpo.max_new_tokens": 32}, ["train.seq_len=32"]),
+    ({"grpo.on_reward_error": "ignore"}, ["grpo.on_reward_error"]),
+    ({"grpo.num_iterations": 3}, ["grpo.num_iterations=3", "train.steps=10"]),
+    ({"mesh.stage": 2}, ["mesh.stage=2", "grpo"]),
+    ({"data.format": "chat"}, ["data.format='chat'", "data.format='prompt'"]),
+])
+def test_bad_grpo_settings_are_one_line_config_errors(override, words):
+  config = grpo_config()
+  for key, value in override.items():
+    group, name = key.split(".")
+    setattr(getattr(config, group), name, value)
+  assert_one_line_config_error(config, 8, words)
+
+
+def test_flops_add_reference_generation_and_old_logprobs():
+  config = grpo_config()
+  lm = objectives.get(small_config())
+  g = objectives.get(config)
+  assert g.tokens_per_step(config) == 4 * G * config.train.seq_len
+  per_token = lm.flops_per_token(config)
+  # Policy 6 + reference 2 + generation 2 (once per rollout batch) per weight and token.
+  assert g.flops_per_token(config) == pytest.approx(per_token * (1 + 2 / 3))
+  config.grpo.num_iterations, config.grpo.beta = 2, 0.0
+  g = objectives.get(config)
+  assert not g.uses_reference
+  assert g.flops_per_token(config) == pytest.approx(per_token * (1 + (2 / 2) / 3))
+  assert "reward_mean" in g.metric_names and "kl" in g.metric_names
