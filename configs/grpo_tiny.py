@@ -1,11 +1,13 @@
-"""CPU demo of GRPO: the tiny model learns, by reinforcement alone, to reverse words.
+"""CPU demo of GRPO: the tiny model learns, from a reward alone, to reverse words.
 
 Prompts are examples/grpo/reverse.jsonl ({"prompt": "reverse: difo\\n", "answer": "ofid"};
-scripts/make_finetune_examples.py); each step samples 8 completions of 16 prompts with the
-current weights and scores them with `jaxtrain.rewards:similarity`, partial credit in [0, 1]
-(how much of the reversal a completion gets right), so even a random model gets a signal.
-Starts from a random init: the reference is that init, so the KL penalty is kept small.
-The mean reward rises by well over 0.2 within 10 minutes on 2 CPU cores, compile included.
+scripts/make_finetune_examples.py). From a random init, each step samples 8 completions of 16
+prompts with the current weights and scores them with `jaxtrain.rewards:similarity`, partial
+credit in [0, 1] (how much of the reversal a completion gets right), so even a random model gets
+a signal. The reference is the random init, so the KL penalty is kept small. On 2 CPU cores the
+700 steps take 7 minutes, compile included, and the mean reward of the sampled completions rises
+from 0.10 (first five logged steps) to 0.47 (last five); docs/finetuning.md has the run.
+No supervised warm-up is needed here; `grpo.warmup_steps` adds one.
 """
 
 import os
@@ -29,11 +31,12 @@ def get_config():
   c.grpo.temperature = 1.0
   c.grpo.reward_fns = "jaxtrain.rewards:similarity"
   c.grpo.sample_prompts = 4
+  c.grpo.warmup_steps = 0
   c.train.seq_len = 32  # "reverse: " + 9 letters + newline + BOS fit in 20 prompt tokens
   c.train.global_batch_size = 16  # prompts per step (x 8 completions = 128 rows)
   c.train.loss_chunk_size = 32
-  c.train.steps = 300
-  c.train.log_every = 10
+  c.train.steps = 700
+  c.train.log_every = 5
   c.train.eval_every = 100
   c.train.eval_batches = 2
   c.optim.learning_rate = 2e-3

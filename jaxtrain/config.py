@@ -166,6 +166,12 @@ def default_config() -> ml_collections.ConfigDict:
   # or "skip" that batch of rollouts and draw the next prompts (counted as reward_errors).
   c.grpo.on_reward_error = "stop"
   c.grpo.max_skipped_batches = 10  # with "skip": this many in a row stop the run
+  # Supervised warm-up: the first warmup_steps steps train on the reference completion in
+  # each record's warmup_column (with EOS) instead of sampled ones, as the GRPO loss with
+  # advantage 1 (= the supervised loss's gradient), so a model that cannot yet produce the
+  # answer's form gets a start; 0: none.
+  c.grpo.warmup_steps = 0
+  c.grpo.warmup_column = "answer"
   # Each eval writes greedy completions of this many eval prompts to WORKDIR/completions.jsonl.
   c.grpo.sample_prompts = 4
 

@@ -30,6 +30,7 @@ from jaxtrain import grpo as grpo_lib
 from jaxtrain import rewards
 from jaxtrain.data import pipeline as data_pipeline
 from jaxtrain.data import prompts as prompts_lib
+from jaxtrain.data.sources.common import DataError
 from jaxtrain.feeders import Feeder, to_global_batch
 from jaxtrain.mesh import BATCH_AXES, batch_sharding, replicated
 from jaxtrain.train_step import merge_model
@@ -92,6 +93,7 @@ class Rollouts(Feeder):
     self.reward_fns = [(name, rewards.resolve(name)) for name in objective.reward_fn_names()]
     self.on_error, self.max_skipped = g.on_reward_error, int(g.max_skipped_batches)
     self.sample_prompts = int(g.sample_prompts)
+    self.warmup_steps, self.warmup_column = int(g.warmup_steps), str(g.warmup_column)
     self.train_records, self.eval_records = prompts_lib.load_splits(config)
     self.is_chief = jax.process_index() == 0
     self._generate = {}
@@ -150,8 +152,39 @@ class Rollouts(Feeder):
     columns = {k: [r.get(k) for r in records] for k in names}
     return rewards.score(self.reward_fns, prompts, completions, columns), prompts, completions
 
+  def _reference_completions(self, records, indices_B):
+    """(tokens [B, N], lengths [B]) of the records' warm-up column, EOS-terminated and cut to
+    grpo.max_new_tokens."""
+    n, eos = self.sampling.max_new_tokens, self.tokenizer.eos_id
+    tokens_BN = np.zeros((len(records), n), np.int32)
+    lengths_B = np.zeros(len(records), np.int32)
+    for i, (record, index) in enumerate(zip(records, indices_B)):
+      if self.warmup_column not in record:
+        raise DataError(f"record {int(index)}: no {self.warmup_column!r} field for the "
+                        f"supervised warm-up (grpo.warmup_column, grpo.warmup_steps="
+                        f"{self.warmup_steps})")
+      ids = self.tokenizer.encode(str(record[self.warmup_column]))
+      ids = np.concatenate([ids, [] if eos is None else [eos]]).astype(np.int32)[:n]
+      tokens_BN[i, :len(ids)], lengths_B[i] = ids, len(ids)
+    return tokens_BN, lengths_B
+
+  def _warmup_batch(self, local: dict):
+    """The supervised warm-up: each prompt's reference completion in all G rows, advantage 1
+    (ratio 1: the GRPO loss's gradient is then the supervised one's)."""
+    g = self.group
+    prompt_BP = np.repeat(local["prompt_ids"], g, axis=0)
+    lengths_B = np.repeat(local["prompt_lengths"], g, axis=0)
+    indices_B = np.repeat(local["record_index"], g)
+    records = [self.train_records[int(i)] for i in indices_B]
+    tokens_BN, completion_len_B = self._reference_completions(records, indices_B)
+    rows = training_rows(prompt_BP, lengths_B, tokens_BN, completion_len_B, self.seq_len)
+    rows["advantages"] = np.ones(len(records), np.float32)
+    return rows
+
   def _rollout(self, state, step: int, local: dict, attempt: int):
     g = self.group
+    if step <= self.warmup_steps:
+      return self._device_batch(state, self._warmup_batch(local)), {}, 0.0
     prompt_BP = np.repeat(local["prompt_ids"], g, axis=0)
     lengths_B = np.repeat(local["prompt_lengths"], g, axis=0)
     records = [self.train_records[int(i)] for i in np.repeat(local["record_index"], g)]
@@ -165,14 +198,20 @@ class Rollouts(Feeder):
     rewards_B, _, _ = self._score(records, prompt_BP, lengths_B, tokens_BN, completion_len_B)
     rows = training_rows(prompt_BP, lengths_B, tokens_BN, completion_len_B, self.seq_len)
     rows["advantages"] = np.asarray(grpo_lib.group_advantages(rewards_B, g), np.float32)
+    batch = self._device_batch(state, rows)
+    metrics = {"reward_mean": float(rewards_B.mean()), "reward_std": float(rewards_B.std()),
+               "completion_len_mean": float(completion_len_B.mean())}
+    return batch, metrics, generation_s
+
+  def _device_batch(self, state, rows):
+    """The train step's batch of host rows; with num_iterations > 1 the sampling policy's
+    log-probs (the current weights') added."""
     batch = to_global_batch(rows, self.setup.mesh)
     if self._old_logprobs is not None:
       with jax.set_mesh(self.setup.mesh):
         batch[grpo_lib.OLD_LOGPROBS] = self._old_logprobs(
             state.params, state.frozen, {k: batch[k] for k in grpo_lib.TOKEN_KEYS})
-    metrics = {"reward_mean": float(rewards_B.mean()), "reward_std": float(rewards_B.std()),
-               "completion_len_mean": float(completion_len_B.mean())}
-    return batch, metrics, generation_s
+    return batch
 
   def next_batch(self, state, step: int, next_local):
     if (step - 1) % self.iterations == 0 or self.current is None:
@@ -184,9 +223,7 @@ class Rollouts(Feeder):
     previous_end = self._last_rollout_end
     attempt = 0
     while True:
-      start = time.perf_counter()
       local = next_local()
-      self.data_wait_s += time.perf_counter() - start
       try:
         batch, metrics, generation_s = self._rollout(state, step, local, attempt)
         break
@@ -205,7 +242,8 @@ class Rollouts(Feeder):
     # The share of wall time spent generating, between this batch of rollouts and the last.
     interval = end - previous_end if previous_end is not None else None
     self._last_rollout_end = end
-    metrics["generation_share"] = (min(1.0, generation_s / interval) if interval else None)
+    if metrics:  # sampled rollouts (the warm-up's have no rewards to report)
+      metrics["generation_share"] = (min(1.0, generation_s / interval) if interval else None)
     return batch, metrics
 
   def at_boundary(self, step: int) -> bool:

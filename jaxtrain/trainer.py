@@ -164,11 +164,14 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
   try:
     with jax.set_mesh(mesh), stop:
       for step in range(start_step + 1, t.steps + 1):
+        data_state = train_iter.get_state() if ckpt else None
         try:
           batch, host_metrics = feeder.next_batch(state, step, next_local)
         except RewardError:
-          # Nothing is lost: the last finished step is saved before the run stops.
+          # Nothing is lost: the last finished step is saved, with the data where it stood
+          # before this step's prompts, so a resumed run (reward function fixed) retries them.
           if ckpt and saved_step != step - 1 and step > start_step + 1:
+            train_iter.set_state(data_state)
             ckpt.save(step - 1, checkpointed(state), train_iter, _meta(config, step - 1))
           raise
         state, step_metrics = setup.train_step(state, batch)

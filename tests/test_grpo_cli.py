@@ -17,7 +17,8 @@ SMALL = ["--config=configs/grpo_tiny.py", "--config.train.global_batch_size=4",
          "--config.train.seq_len=28", "--config.train.log_every=1",
          f"--config.train.steps={STEPS}", "--config.train.eval_every=4",
          "--config.train.eval_batches=1", "--config.checkpoint.every_steps=4",
-         "--config.grpo.reward_fns=tests.reward_fixtures:letters"]
+         "--config.grpo.reward_fns=tests.reward_fixtures:letters",
+         "--config.grpo.warmup_steps=2"]
 
 
 def _records(workdir):
@@ -38,6 +39,8 @@ def test_killed_grpo_run_resumes_with_the_same_completions(tmp_path):
   whole = _records(tmp_path / "whole")
   train = [r for r in whole if "loss" in r]
   assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+  # Steps 1-2 are the supervised warm-up (no sampled completions, so no rewards to report).
+  assert "reward_mean" not in train[1] and "reward_mean" in train[2]
   for key in ("reward_mean", "reward_std", "kl", "clip_fraction", "completion_len_mean",
               "generation_share"):
     assert key in train[-1], key
@@ -51,13 +54,15 @@ def test_killed_grpo_run_resumes_with_the_same_completions(tmp_path):
   proc = _run(tmp_path / "split")
   assert "resumed from step 4" in proc.stdout
   split = [r for r in _records(tmp_path / "split") if "loss" in r]
-  key = lambda r: (r["step"], r["loss"], r["reward_mean"], r["kl"], r["completion_len_mean"])
+  key = lambda r: (r["step"], r["loss"], r.get("reward_mean"), r["kl"],
+                   r.get("completion_len_mean"))
   assert [key(r) for r in split] == [key(r) for r in train]  # bitwise: the same rollouts
 
 
 @pytest.mark.slow
 def test_reward_failures_stop_with_one_line_or_are_skipped(tmp_path):
   proc = run_main(*SMALL, f"--workdir={tmp_path / 'stop'}", "--config.checkpoint.every_steps=100",
+                  "--config.grpo.warmup_steps=0",
                   "--config.grpo.reward_fns=tests.reward_fixtures:fails_on_third_call", devices=1)
   assert proc.returncode == 1
   errors = [l for l in proc.stderr.splitlines() if "reward error" in l]
@@ -68,7 +73,8 @@ def test_reward_failures_stop_with_one_line_or_are_skipped(tmp_path):
   assert sorted(os.listdir(tmp_path / "stop" / "checkpoints")) == ["2"]
 
   proc = _run(tmp_path / "skip", "--config.grpo.reward_fns=tests.reward_fixtures:flaky",
-              "--config.grpo.on_reward_error=skip", "--config.train.eval_every=100")
+              "--config.grpo.on_reward_error=skip", "--config.train.eval_every=100",
+              "--config.grpo.warmup_steps=0")
   assert "RuntimeError: the grader timed out; batch of rollouts skipped" in proc.stdout
   train = [r for r in _records(tmp_path / "skip") if "loss" in r]
   assert len(train) == STEPS and train[-1]["reward_errors"] >= 2

@@ -73,10 +73,9 @@ def _losses_and_grads(config, batch, mesh_shape=(1, 1, 1)):
   return metrics, jax.device_get(nnx.to_pure_dict(after.params))
 
 
-@pytest.mark.parametrize("iterations", [1, 2])
-def test_accumulation_and_meshes_give_the_full_batch_step(iterations):
+@pytest.mark.parametrize("iterations,mesh_shape", [(1, (2, 2, 1)), (2, (1, 1, 1))])
+def test_accumulation_and_meshes_give_the_full_batch_step(iterations, mesh_shape):
   config = grpo_config(num_iterations=iterations)
-  config.train.steps = 10
   batch = _rollout_batch(config, old_logprobs=iterations > 1)
   want_metrics, want_params = _losses_and_grads(config, batch)
   # One update per batch of rollouts: the policy is the sampling policy, ratio 1, nothing clipped.
@@ -85,13 +84,12 @@ def test_accumulation_and_meshes_give_the_full_batch_step(iterations):
   else:
     assert float(want_metrics["clip_fraction"]) > 0.0  # made-up old log-probs: ratios far off 1
   config.train.grad_accum_steps = 2
-  for mesh_shape in [(1, 1, 1), (2, 2, 1)]:
-    metrics, params = _losses_and_grads(config, batch, mesh_shape)
-    for k in ("loss", "kl", "clip_fraction", "grad_norm"):
-      np.testing.assert_allclose(float(metrics[k]), float(want_metrics[k]), rtol=2e-5,
-                                 atol=1e-7, err_msg=f"{k} on {mesh_shape}")
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 params, want_params)
+  metrics, params = _losses_and_grads(config, batch, mesh_shape)
+  for k in ("loss", "kl", "clip_fraction", "grad_norm"):
+    np.testing.assert_allclose(float(metrics[k]), float(want_metrics[k]), rtol=2e-5, atol=1e-7,
+                               err_msg=f"{k} on {mesh_shape}")
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params,
+               want_params)
   assert float(want_metrics["tokens"]) == config.train.global_batch_size * G  # sequences
 
 
@@ -137,12 +135,12 @@ def test_cached_decode_equals_the_forward_under_lora_and_qlora():
     nnx.update(model, noisy)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 10)), jnp.int32)
     want = model(tokens)
+    step = nnx.jit(generate.forward_with_cache)
     cache = generate.empty_cache(model, 2, 10)
-    got, cache = generate.forward_with_cache(model, tokens[:, :4], jnp.zeros(2, jnp.int32), cache)
+    got, cache = step(model, tokens[:, :4], jnp.zeros(2, jnp.int32), cache)
     steps = [got]
     for i in range(4, 10):
-      logits, cache = generate.forward_with_cache(model, tokens[:, i:i + 1],
-                                                  jnp.full(2, i, jnp.int32), cache)
+      logits, cache = step(model, tokens[:, i:i + 1], jnp.full(2, i, jnp.int32), cache)
       steps.append(logits)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), np.asarray(want), rtol=2e-4,
                                atol=2e-4, err_msg=quant)
@@ -180,3 +178,54 @@ def test_flops_add_reference_generation_and_old_logprobs():
   assert not g.uses_reference
   assert g.flops_per_token(config) == pytest.approx(per_token * (1 + (2 / 2) / 3))
   assert "reward_mean" in g.metric_names and "kl" in g.metric_names
+
+
+def _rollouts(tmp_path, mesh_shape, **grpo_settings):
+  from jaxtrain.data import prompts  # pylint: disable=import-outside-toplevel
+  path = tmp_path / "prompts.jsonl"
+  words = ["difo", "torefob", "bub", "jobuko", "zepu", "dubolu", "kaset", "ridomi"] * 4
+  path.write_text("".join(f'{{"prompt": "reverse: {w}\\n", "answer": "{w[::-1]}", '
+                          f'"n": {i}}}\n' for i, w in enumerate(words)))
+  config = grpo_config(**grpo_settings)
+  config.data.train_paths, config.data.eval_fraction = str(path), 0.2
+  config.data.tokenizer = "byte"
+  config.model.vocab_size = 384
+  setup = train_setup.build(config, mesh_of(mesh_shape))
+  state = train_setup.init_state(setup, seed=0)
+  feeder = setup.objective.make_feeder(config, setup, str(tmp_path))
+  return config, state, feeder, iter(prompts.make_train_iterator(config))
+
+
+def test_warmup_rows_hold_the_reference_answer_with_advantage_one(tmp_path):
+  config, _, feeder, it = _rollouts(tmp_path, (1, 1, 1), warmup_steps=1)
+  local = next(it)
+  rows = feeder._warmup_batch(local)  # pylint: disable=protected-access
+  tok = feeder.tokenizer
+  for b in range(0, len(rows["advantages"]), G):
+    record = feeder.train_records[int(local["record_index"][b // G])]
+    completion = rows["targets"][b][rows["loss_mask"][b] > 0]
+    assert tok.decode(completion) == record["answer"] and completion[-1] == tok.eos_id
+    for i in range(1, G):  # the whole group holds the same reference
+      np.testing.assert_array_equal(rows["targets"][b + i], rows["targets"][b])
+  np.testing.assert_array_equal(rows["advantages"], 1.0)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (2, 1, 2)])
+def test_sampled_rollouts_are_scored_grouped_and_seeded(tmp_path, mesh_shape):
+  """On one device and sharded over data x tensor: G distinct samples per prompt, rewards from
+  the function on the decoded text, zero-mean advantages per group, and the same completions
+  again for the same step (the key is (seed, step))."""
+  config, state, feeder, it = _rollouts(tmp_path, mesh_shape)
+  local = next(it)
+  batch, metrics, _ = feeder._rollout(state, 5, local, 0)  # pylint: disable=protected-access
+  again, _, _ = feeder._rollout(state, 5, local, 0)  # pylint: disable=protected-access
+  other, _, _ = feeder._rollout(state, 6, local, 0)  # pylint: disable=protected-access
+  targets = np.asarray(batch["targets"])
+  np.testing.assert_array_equal(targets, np.asarray(again["targets"]))
+  assert not np.array_equal(targets, np.asarray(other["targets"]))
+  advantages = np.asarray(batch["advantages"]).reshape(-1, G)
+  np.testing.assert_allclose(advantages.sum(axis=1), 0.0, atol=1e-4)
+  assert len({tuple(r) for r in targets[:G]}) > 1  # a group's samples differ
+  assert 0.0 <= metrics["reward_mean"] <= 1.0 and metrics["completion_len_mean"] >= 1
+  assert np.asarray(batch["loss_mask"]).sum(axis=1).min() >= 1
+  assert batch["targets"].shape == (config.train.global_batch_size * G, config.train.seq_len)

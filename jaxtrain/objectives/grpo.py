@@ -51,6 +51,9 @@ class GRPO(Objective):
                         f"advantages compare the completions of one prompt with each other)")
     if self.num_iterations < 1:
       raise ConfigError(f"grpo.num_iterations={g.num_iterations}: must be at least 1")
+    if not 0 <= g.warmup_steps < config.train.steps:
+      raise ConfigError(f"grpo.warmup_steps={g.warmup_steps}: must be in [0, train.steps="
+                        f"{config.train.steps}) (supervised steps before the sampled ones)")
     if self.beta < 0 or not 0 < self.epsilon < 1:
       raise ConfigError(f"grpo.beta={g.beta}, grpo.epsilon={g.epsilon}: need beta >= 0 and "
                         f"0 < epsilon < 1 (typical: 0.04 and 0.2)")
