@@ -207,11 +207,14 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
 
   t = config.train
   per_step = mesh.batch_shards * t.grad_accum_steps
-  if t.global_batch_size % per_step:
+  rows, rows_note = objectives.get(config).rows_per_step(config), ""
+  if rows != t.global_batch_size:  # GRPO: prompts x completions
+    rows_note = f" (its {rows} rows: {objectives.get(config).describe_rows(config)})"
+  if rows % per_step:
     raise ConfigError(
-        f"train.global_batch_size={t.global_batch_size}: must be divisible by mesh.data*mesh.fsdp"
-        f"*train.grad_accum_steps={mesh.data}*{mesh.fsdp}*{t.grad_accum_steps}={per_step}; use a "
-        f"multiple of {per_step}")
+        f"train.global_batch_size={t.global_batch_size}{rows_note}: must be divisible by "
+        f"mesh.data*mesh.fsdp*train.grad_accum_steps={mesh.data}*{mesh.fsdp}*"
+        f"{t.grad_accum_steps}={per_step}; use a multiple of {per_step}")
   if t.seq_len > m.max_position_embeddings:
     raise ConfigError(f"train.seq_len={t.seq_len}: exceeds model.max_position_embeddings="
                       f"{m.max_position_embeddings}; shorten the sequence or raise the limit")

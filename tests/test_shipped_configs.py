@@ -10,7 +10,8 @@ from jaxtrain.dryrun import measure, targets
 from tests.helpers import REPO, run_main
 
 SIZED_FOR_ACCELERATORS = ("llama3_1b", "llama3_3b", "llama8b", "llama70b", "llama405b",
-                          "sft_lora_llama8b", "dpo_llama8b", "qlora_llama8b", "llama8b_128k")
+                          "sft_lora_llama8b", "dpo_llama8b", "qlora_llama8b", "llama8b_128k",
+                          "grpo_llama8b")
 
 
 def test_every_config_names_a_valid_target():

@@ -70,6 +70,13 @@ class Objective(abc.ABC):
     from jaxtrain.feeders import Feeder  # pylint: disable=import-outside-toplevel
     return Feeder(setup)
 
+  def rows_per_step(self, config) -> int:
+    """Rows of one global batch (what the data-parallel axes and accumulation split)."""
+    return config.train.global_batch_size
+
+  def describe_rows(self, config) -> str:
+    return f"{self.rows_per_step(config)} rows"
+
   def tokens_per_step(self, config) -> int:
     """Tokens one step trains on (the throughput meter's tokens)."""
     return config.train.global_batch_size * self.row_length(config.train.seq_len)

@@ -112,6 +112,10 @@ class GRPO(Objective):
   def rows_per_step(self, config) -> int:
     return config.train.global_batch_size * self.num_generations
 
+  def describe_rows(self, config):
+    return (f"{config.train.global_batch_size} prompts × grpo.num_generations="
+            f"{self.num_generations}")
+
   def batch_shapes(self, config):
     b, t = self.rows_per_step(config), config.train.seq_len
     shapes = {k: ((b, t), jnp.float32 if k == "loss_mask" else jnp.int32)
