@@ -24,6 +24,10 @@ def test_shipped_rewards():
   answers = ["42", "41", "42", 42]
   assert rewards.exact_match([""] * 4, completions, answer=answers) == [1.0, 1.0, 1.0, 0.0]
   assert rewards.answer_format([""] * 4, completions) == [1.0, 0.0, 0.0, 0.0]
+  # Partial credit: 2 * matched / (len(answer) + len(reference)).
+  got = rewards.similarity([""] * 4, ["ofid", "ofix", "<answer>of</answer>", ""],
+                           answer=["ofid"] * 4)
+  assert got == [1.0, 2 * 3 / 8, 2 * 2 / 6, 0.0]
 
 
 def test_score_sums_the_functions_with_columns():
