@@ -5,9 +5,11 @@ temporary name and renames it when complete, so a step directory that exists is 
 last good checkpoint is never deleted before a newer one is committed (Orbax deletes old ones
 only after a save finishes).
 
-data/ holds one file per data shard, `shard_<s>-of-<S>.json` (the grain iterator state), written
-by one process that reads the shard: a run on another number of processes reads the shards it
-now owns, so the data stream resumes exactly (jaxtrain/data/shards.py).
+data/ holds the data iterator's state: `global_stream.json` for data read as one global stream
+(the same on every process; process 0 writes it), else one file per data shard,
+`shard_<s>-of-<S>.json` (the grain iterator state), written by one process that reads the
+shard. Either way a run on another number of processes resumes the data stream exactly
+(jaxtrain/data/global_stream.py, jaxtrain/data/shards.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxtrain.config import ConfigError
+from jaxtrain.data.global_stream import GlobalBatchStream
 from jaxtrain.data.shards import ShardedIterator
+
+GLOBAL_STREAM_FILE = "global_stream.json"
 
 
 class Checkpointer:
@@ -105,9 +110,9 @@ class Checkpointer:
     self.manager.close()
 
 
-def _as_sharded(data_iterator) -> ShardedIterator:
+def _as_sharded(data_iterator) -> ShardedIterator | GlobalBatchStream:
   """A plain grain iterator is this process's one shard (data.num_shards=0)."""
-  if isinstance(data_iterator, ShardedIterator):
+  if isinstance(data_iterator, (ShardedIterator, GlobalBatchStream)):
     return data_iterator
   return ShardedIterator({jax.process_index(): data_iterator}, jax.process_count())
 
@@ -121,11 +126,21 @@ class DataShardsHandler:
 
   def save(self, directory, item=None, args=None):
     it = item or args.item
+    if isinstance(it, GlobalBatchStream):
+      if it.saves_state:
+        (directory / GLOBAL_STREAM_FILE).write_text(json.dumps(it.get_state(), indent=1))
+      return
     for shard, state in it.shard_states().items():
       (directory / _shard_file(shard, it.num_shards)).write_text(json.dumps(state, indent=1))
 
   def restore(self, directory, item=None, args=None):
     it = item or args.item
+    if isinstance(it, GlobalBatchStream):
+      path = directory / GLOBAL_STREAM_FILE
+      if not path.exists():
+        raise ConfigError(_not_global_message(directory))
+      it.set_state(json.loads(path.read_text()))
+      return it
     states = {}
     for shard in it.shards:
       for name in (_shard_file(shard, it.num_shards), f"process_{shard}-of-{it.num_shards}.json"):
@@ -168,6 +183,16 @@ class DataShardsRestore(ocp.args.CheckpointArgs):
   item: ShardedIterator
 
 
+def _not_global_message(directory) -> str:
+  saved = sorted(p.name for p in directory.iterdir())
+  return (f"checkpoint {directory.parent}: its data state ({', '.join(saved) or 'none'}) is "
+          f"per data shard, from a run with data.num_shards > 0 or from an earlier jaxtrain, "
+          f"and this run reads its data as one global stream (data.num_shards=0), so the data "
+          f"cannot resume exactly; resume with the run's own --config.data.num_shards, or "
+          f"start a new run from its weights with --config.checkpoint.init_from="
+          f"{directory.parent}")
+
+
 def _shard_file(shard: int, num_shards: int) -> str:
   return f"shard_{shard}-of-{num_shards}.json"
 
@@ -176,6 +201,11 @@ def _missing_shard_message(directory, shard: int, num_shards: int) -> str:
   saved = sorted({int(m.group(1)) for p in directory.iterdir()
                   if (m := re.fullmatch(r"(?:shard|process)_\d+-of-(\d+)\.json", p.name))})
   if not saved:
+    if (directory / GLOBAL_STREAM_FILE).exists():
+      return (f"checkpoint {directory.parent}: its data was read as one global stream "
+              f"(data.num_shards=0), and this run reads {num_shards} data shards "
+              f"(data.num_shards={num_shards}), so the data cannot resume exactly; resume "
+              f"with --config.data.num_shards=0")
     return f"checkpoint {directory}: no data-iterator state for data shard {shard}"
   was = saved[0]
   return (f"checkpoint {directory.parent}: its data stream was saved as {was} data shards, "

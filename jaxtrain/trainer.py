@@ -120,10 +120,8 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
   objective = setup.objective
   # The objective's batches (packed documents, preference pairs): the same three functions.
   data_source = objective.data_module()
-  # This process reads only the data shards whose batch rows its devices hold.
-  shard_plan = data_shards.plan_for_mesh(config, mesh)
-  train_iter = shard_plan.train_iterator(data_source.make_train_iterator, config)
-  eval_batches = shard_plan.eval_batches(data_source.make_eval_batches, config)
+  # This process reads only the batch rows its devices hold.
+  train_iter, eval_batches = data_shards.open_data(config, mesh, data_source)
   peak, peak_source = metrics_lib.peak_flops_for_devices(jax.devices())
   tokens_per_step = objective.tokens_per_step(config)
   flops_per_token = objective.flops_per_token(config, setup.model_cfg)

@@ -225,9 +225,11 @@ def test_summary_rows():
 @pytest.mark.skipif(os.environ.get("JAXTRAIN_SKIP_MP_TEST") == "1",
                     reason="JAXTRAIN_SKIP_MP_TEST=1")
 def test_multiprocess_workers():
-  # Spawns 2 worker processes (each imports grain, so jax): ~10 s on 2 cores.
+  # Spawns 2 worker processes (each imports grain, so jax): ~10 s on 2 cores. Workers serve the
+  # sharded grain path (raw text, or data.num_shards > 0); the global stream reads in-process.
   c = small_config()
   c.data.num_workers = 2
+  c.data.num_shards = 1
   it = data.make_train_iterator(c)
   try:
     batches = take(it, 3)

@@ -12,7 +12,7 @@ import pytest
 
 from jaxtrain.config import ConfigError
 from jaxtrain.data import prepare as prep
-from jaxtrain.data.sources import ArrayRecordTokenSource, DataError
+from jaxtrain.data.sources import DataError, PreparedCorpus, write_token_shard
 from jaxtrain.data.tokenizer import load_tokenizer
 
 WORDS = ("the a of and to in is was for on that with as by at from it an be this are or his "
@@ -97,27 +97,41 @@ def test_shards_and_manifest(corpus, two_workers):
   out, manifest = two_workers
   tok = load_tokenizer(corpus["tokenizer"])
   assert manifest == prep.read_manifest(out)
-  assert manifest["version"] == 1
+  assert manifest["version"] == 2 and manifest["token_dtype"] == "<u2"  # vocab 300 fits uint16
   assert manifest["tokenizer"] == corpus["tokenizer"] and manifest["tokenizer_name"] == tok.name
   assert (manifest["vocab_size"], manifest["bos_id"], manifest["eos_id"]) == (
       tok.vocab_size, tok.bos_id, tok.eos_id)
   assert manifest["add_bos"] and manifest["add_eos"]
   assert (manifest["format"], manifest["field"]) == ("jsonl", "text")
   assert manifest["skipped_records"] == 0
-  assert [s["file"] for s in manifest["shards"]] == [
-      f"shard-{i:05d}-of-00003.arrayrecord" for i in range(3)]
+  assert [s["file"] for s in manifest["shards"]] == [f"shard-{i:05d}-of-00003" for i in range(3)]
   assert [s["documents"] for s in manifest["shards"]] == [100, 100, 100]
   totals = manifest["totals"]
   assert totals == {"documents": NUM_DOCS, "shards": 3,
                     "tokens": sum(s["tokens"] for s in manifest["shards"])}
 
-  source = ArrayRecordTokenSource(os.path.join(out, "*.arrayrecord"))
+  assert sorted(os.listdir(out)) == sorted(
+      ["manifest.json"] + [f"shard-{i:05d}-of-00003{ext}" for i in range(3)
+                           for ext in (".bin", ".idx.npy")])
+  for shard in manifest["shards"]:
+    # The raw format: uint16 tokens back to back, and int64 offsets from 0 to the token count.
+    prefix = os.path.join(out, shard["file"])
+    starts = np.load(prefix + ".idx.npy")
+    assert starts.dtype == np.int64 and starts.shape == (shard["documents"] + 1,)
+    assert starts[0] == 0 and starts[-1] == shard["tokens"]
+    assert os.path.getsize(prefix + ".bin") == 2 * shard["tokens"]
+
+  source = PreparedCorpus(out)
   assert len(source) == NUM_DOCS and source.num_tokens() == totals["tokens"]
+  assert source.vocab_size == tok.vocab_size and source.manifest == manifest
   for i, text in enumerate(corpus["docs"]):
     ids = source[i]
+    assert ids.dtype == np.int32
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
     assert tok.decode(ids[1:-1]) == text
   assert sum(len(source[i]) for i in range(len(source))) == totals["tokens"]
+  assert source.describe() == (f"prepared: 3 shards, 300 documents, {totals['tokens']:,} tokens "
+                               f"(tokenizer {corpus['tokenizer']})")
 
 
 def test_output_does_not_depend_on_num_workers(corpus, two_workers):
@@ -128,11 +142,8 @@ def test_output_does_not_depend_on_num_workers(corpus, two_workers):
                            docs_per_shard=100, log=None)
   assert manifest1 == manifest2
   a, b = shard_bytes(out1), shard_bytes(out2)
-  assert list(a) == list(b) and len(a) == 6  # 3 shards and their .lengths.npy sidecars
-  if a != b:  # ArrayRecord need not be byte-stable; the tokens must be
-    s1 = ArrayRecordTokenSource(os.path.join(out1, "*.arrayrecord"))
-    s2 = ArrayRecordTokenSource(os.path.join(out2, "*.arrayrecord"))
-    assert all(np.array_equal(s1[i], s2[i]) for i in range(NUM_DOCS))
+  assert len(a) == 6  # 3 shards, each a .bin and an .idx.npy
+  assert a == b  # byte-identical, whichever process wrote which shard
 
 
 def test_refuses_to_overwrite_and_overwrite_replaces_stale_shards(corpus, tmp_path):
@@ -144,12 +155,18 @@ def test_refuses_to_overwrite_and_overwrite_replaces_stale_shards(corpus, tmp_pa
     prep.prepare(corpus["jsonl"], docs_per_shard=50, **kwargs)
   assert shard_bytes(out) == before  # refused before touching anything
 
+  # Files of an older run in the version-1 format (ArrayRecord) go too; other files stay.
+  old = ["shard-00000-of-00002.arrayrecord", "shard-00000-of-00002.arrayrecord.lengths.npy",
+         "shard-00001-of-00004.bin.tmp-123"]
+  for name in old + ["notes.txt", "shard-00000-of-00002.arrayrecord.bak"]:
+    (out / name).write_bytes(b"x")
   manifest = prep.prepare(corpus["jsonl"], docs_per_shard=50, overwrite=True, **kwargs)
   assert manifest["totals"]["shards"] == 6
-  # The 3-shard run's files are gone, so a glob over the directory sees only this run.
-  names = sorted(n for n in os.listdir(out) if n.endswith(".arrayrecord"))
-  assert names == [f"shard-{i:05d}-of-00006.arrayrecord" for i in range(6)]
-  assert len(ArrayRecordTokenSource(str(out / "*.arrayrecord"))) == NUM_DOCS
+  # The 3-shard run's files are gone, so the directory holds only this run's shards.
+  assert sorted(os.listdir(out)) == sorted(
+      ["manifest.json", "notes.txt", "shard-00000-of-00002.arrayrecord.bak"]
+      + [f"shard-{i:05d}-of-00006{ext}" for i in range(6) for ext in (".bin", ".idx.npy")])
+  assert len(PreparedCorpus(out)) == NUM_DOCS
 
 
 def test_cli(corpus, tmp_path):
@@ -190,13 +207,14 @@ def test_byte_tokenizer_on_text_files(tmp_path):
   manifest = prep.prepare(str(tmp_path / "in" / "*.txt"), format="text", tokenizer="byte",
                           output=str(out), num_workers=1, docs_per_shard=2, log=None)
   assert manifest["field"] is None and manifest["totals"]["shards"] == 3
+  assert manifest["token_dtype"] == "<u2"  # byte ids 0..257
   tok = load_tokenizer("byte")
-  source = ArrayRecordTokenSource(str(out / "*.arrayrecord"))
+  source = PreparedCorpus(out / "manifest.json")  # the manifest names the corpus too
   assert [tok.decode(source[i]) for i in range(len(source))] == docs
   assert all(source[i][-1] == tok.eos_id for i in range(len(source)))
   lengths = [len(d.encode("utf-8")) + 1 for d in docs]
   assert manifest["totals"]["tokens"] == sum(lengths)
-  assert source.doc_lengths().tolist() == lengths  # the sidecars match the records
+  assert source.doc_lengths().tolist() == lengths  # the indexes match the documents
 
 
 def test_bad_records_fail_or_skip(tmp_path):
@@ -239,6 +257,42 @@ def test_read_manifest_errors(corpus, tmp_path):
   out = tmp_path / "out"
   prep.prepare(corpus["jsonl"], format="jsonl", tokenizer="byte", output=str(out),
                num_workers=1, docs_per_shard=100, log=None)
-  os.remove(out / "shard-00001-of-00003.arrayrecord")
-  with pytest.raises(DataError, match="shard-00001-of-00003.arrayrecord, which is missing"):
+  os.remove(out / "shard-00001-of-00003.idx.npy")
+  with pytest.raises(DataError, match=r"shard-00001-of-00003\.idx\.npy is missing"):
     prep.read_manifest(out)
+
+  # A corpus prepared by the ArrayRecord version: one line with the command that re-prepares it.
+  old = tmp_path / "old"
+  old.mkdir()
+  (old / "shard-00000-of-00001.arrayrecord").write_bytes(b"records")
+  (old / "manifest.json").write_text(json.dumps({
+      "version": 1, "tokenizer": "hf:/tok/tokenizer.json", "input": "data/*.jsonl",
+      "format": "jsonl", "field": "body", "add_bos": False, "add_eos": True,
+      "shards": [{"file": "shard-00000-of-00001.arrayrecord", "documents": 3, "tokens": 9}]}))
+  with pytest.raises(DataError) as e:
+    prep.read_manifest(old)
+  message = str(e.value)
+  assert "\n" not in message and "old ArrayRecord format" in message
+  assert message.endswith("python -m jaxtrain.data.prepare --input 'data/*.jsonl' --format jsonl "
+                          "--field body --tokenizer hf:/tok/tokenizer.json --output NEW_DIR")
+
+
+def test_uint32_tokens_for_a_large_vocab(tmp_path):
+  """Vocabularies past 65536 ids are stored as uint32 and read back exactly."""
+  from jaxtrain.data.sources import token_dtype  # pylint: disable=import-outside-toplevel
+  assert [token_dtype(v) for v in (258, 65536, 65537, 128_256)] == ["<u2", "<u2", "<u4", "<u4"]
+  with pytest.raises(DataError, match="vocab_size=2147483649: ids above 2147483647"):
+    token_dtype(2**31 + 1)  # read back as int32, such ids would wrap
+  docs = [np.array([0, 65535, 65536, 128_255, 2**32 - 1], np.int64), np.array([], np.int64),
+          np.array([70_000] * 3, np.int32)]
+  prefix = str(tmp_path / "shard-00000-of-00001")
+  assert write_token_shard(prefix, docs, "<u4") == (3, 8)
+  assert os.path.getsize(prefix + ".bin") == 8 * 4
+  np.testing.assert_array_equal(np.fromfile(prefix + ".bin", "<u4"), np.concatenate(docs))
+  np.testing.assert_array_equal(np.load(prefix + ".idx.npy"), [0, 5, 5, 8])
+  # The same ids do not fit uint16: refused, naming the ids and the dtype, and no file is left.
+  with pytest.raises(DataError, match=r"token ids in \[0, 4294967295\], outside \[0, 65535\] of "
+                                      r"uint16 \(<u2\)"):
+    write_token_shard(str(tmp_path / "small"), docs, "<u2")
+  assert sorted(os.listdir(tmp_path)) == ["shard-00000-of-00001.bin",
+                                          "shard-00000-of-00001.idx.npy"]

@@ -34,7 +34,7 @@ import ml_collections
 import numpy as np
 
 from jaxtrain.config import ConfigError
-from jaxtrain.data import sources, stdlib_corpus, text_docs
+from jaxtrain.data import global_stream, packing, sources, stdlib_corpus, text_docs
 from jaxtrain.data import tokenizer as tokenizer_lib
 
 
@@ -60,29 +60,35 @@ def _load_stdlib(config):
 def _require_train_paths(config):
   if not config.data.train_paths:
     raise ConfigError(f"data.train_paths='': data.source={config.data.source!r} needs files, "
-                      f"e.g. --config.data.train_paths='prepared/*.arrayrecord'")
+                      f"e.g. --config.data.train_paths=prepared/ (a directory written by "
+                      f"`python -m jaxtrain.data.prepare`) or --config.data.train_paths="
+                      f"'corpus/*.jsonl'")
 
 
-def _load_arrayrecord(config):
-  """Shards written by `python -m jaxtrain.data.prepare`. Without data.eval_paths, a fixed,
-  hash-chosen data.eval_fraction of the training documents is held out for eval."""
+def _load_prepared(config):
+  """A corpus written by `python -m jaxtrain.data.prepare` (data.train_paths: its directory).
+  Without data.eval_paths, a fixed, hash-chosen data.eval_fraction of the training documents is
+  held out for eval."""
   _require_train_paths(config)
-  train = sources.ArrayRecordTokenSource(config.data.train_paths, what="train_paths")
+  train = sources.PreparedCorpus(config.data.train_paths, what="train_paths")
   if config.data.eval_paths:
-    return train, sources.ArrayRecordTokenSource(config.data.eval_paths, what="eval_paths")
+    return train, sources.PreparedCorpus(config.data.eval_paths, what="eval_paths")
   return split_documents(train, float(config.data.eval_fraction))
 
 
-def _arrayrecord_vocab(config) -> int:
-  """The tokenizer's vocab size from the shards' manifest (0 when there is none: every piece's
-  ids are still checked against model.vocab_size as it is read)."""
+def _prepared_vocab(config) -> int:
+  """The vocab size of the tokenizer the corpus was prepared with (from its manifest)."""
   _require_train_paths(config)
-  paths = sources.resolve_paths(config.data.train_paths, what="train_paths")
-  manifest = os.path.join(os.path.dirname(paths[0]), "manifest.json")
-  if not os.path.exists(manifest):
-    return 0
-  with open(manifest, encoding="utf-8") as f:
-    return int(json.load(f).get("vocab_size", 0))
+  return sources.PreparedCorpus(config.data.train_paths, what="train_paths").vocab_size
+
+
+def _arrayrecord_retired(config):
+  raise ConfigError(
+      f"data.source='arrayrecord': ArrayRecord shards, which were read a whole document per "
+      f"piece, are no longer read; re-prepare the corpus (python -m jaxtrain.data.prepare "
+      f"--input ... --format ... --tokenizer ... --output DIR) and train with "
+      f"--config.data.source=prepared --config.data.train_paths=DIR"
+      f"{' (was ' + repr(config.data.train_paths) + ')' if config.data.train_paths else ''}")
 
 
 def _make_text_source(config, paths: str, what: str):
@@ -133,7 +139,7 @@ def _tokenizer_vocab(config) -> int:
 SOURCES = {
     "stdlib_bytes": SourceSpec(load=_load_stdlib,
                                min_vocab_size=lambda _: stdlib_corpus.BYTE_VOCAB_SIZE),
-    "arrayrecord": SourceSpec(load=_load_arrayrecord, min_vocab_size=_arrayrecord_vocab),
+    "prepared": SourceSpec(load=_load_prepared, min_vocab_size=_prepared_vocab),
     "text": SourceSpec(load=_load_text, min_vocab_size=_tokenizer_vocab),
     "jsonl": SourceSpec(load=_load_text, min_vocab_size=_tokenizer_vocab),
     "parquet": SourceSpec(load=_load_text, min_vocab_size=_tokenizer_vocab),
@@ -157,6 +163,15 @@ class DocumentSubset:
 
   def read(self, i: int, start: int = 0, stop: int | None = None) -> np.ndarray:
     return self.source.read(int(self.indices_N[i]), start, stop)
+
+  def read_pieces(self, pieces_Q3: np.ndarray) -> np.ndarray:
+    """Pieces (doc, start, stop) of this subset's documents, concatenated (see
+    `global_stream`)."""
+    pieces_Q3 = np.array(pieces_Q3, np.int64)
+    pieces_Q3[:, 0] = self.indices_N[pieces_Q3[:, 0]]
+    if hasattr(self.source, "read_pieces"):
+      return self.source.read_pieces(pieces_Q3)
+    return packing.read_pieces_one_by_one(self.source.read, pieces_Q3)
 
   def __getitem__(self, i: int) -> np.ndarray:
     return self.read(i)
@@ -185,6 +200,8 @@ def held_out_indices(n: int, eval_fraction: float) -> tuple[np.ndarray, np.ndarr
 
 def _source_spec(config) -> SourceSpec:
   name = config.data.source
+  if name == "arrayrecord":
+    _arrayrecord_retired(config)
   if name not in SOURCES:
     raise ConfigError(f"data.source={name!r}: unknown data source; choose one of "
                       f"{', '.join(sorted(SOURCES))}")
@@ -246,19 +263,9 @@ def load_mixture(config) -> list[tuple[float, Any, Any]]:
 
 
 def piece_index(doc_lengths_N: np.ndarray, seq_len: int) -> np.ndarray:
-  """[P, 3] int64 rows (doc, start, stop): pieces of at most seq_len+1 tokens.
-
-  Consecutive pieces overlap by one token (a piece's last token is the next piece's first input),
-  so every token after a document's first is a target exactly once. Documents of one token give
-  no (input, target) pair and no piece.
-  """
-  lengths_N = np.asarray(doc_lengths_N, dtype=np.int64)
-  pieces_N = np.maximum(lengths_N - 1 + seq_len - 1, 0) // seq_len  # ceil((len-1) / T)
-  doc_P = np.repeat(np.arange(len(lengths_N), dtype=np.int64), pieces_N)
-  first_P = np.repeat(np.cumsum(pieces_N) - pieces_N, pieces_N)
-  start_P = (np.arange(len(doc_P), dtype=np.int64) - first_P) * seq_len
-  stop_P = np.minimum(start_P + seq_len + 1, lengths_N[doc_P])
-  return np.stack([doc_P, start_P, stop_P], axis=1)
+  """[P, 3] int64 rows (doc, start, stop): every piece of at most seq_len+1 tokens (see
+  `packing.PieceTable`, which addresses them without this table)."""
+  return packing.PieceTable(doc_lengths_N, seq_len).all_pieces()
 
 
 class _ReadPiece:
@@ -385,37 +392,79 @@ def _token_pieces(source, config, *, seed, shuffle, process_index, process_count
   return ds.to_iter_dataset(_READ_OPTIONS)
 
 
-def make_train_iterator(config, *, process_index: int = 0,
-                        process_count: int = 1) -> grain.DatasetIterator:
-  """Infinite iterator over one data shard's training batches (see module doc for the format):
-  shard `process_index` of `process_count` (ShardPlan.train_iterator combines several).
+def reads_global_stream(config) -> bool:
+  """Whether `config`'s training data is one global stream (`global_stream`): the same global
+  batches for any number of processes. True when every source's document lengths are known
+  before reading (prepared corpora, the stdlib corpus) and data.num_shards is 0 (the default);
+  raw text is tokenized as it is read, so its lengths are not known ahead and it is read in
+  data shards (`shards.py`)."""
+  if int(config.data.num_shards):
+    return False
+  return all(not isinstance(train, text_docs.TokenizedText) for _, train, _ in
+             load_mixture(config))
 
-  Deterministic given `data.seed`, the shard index/count and `data.num_workers` (grain's
-  multiprocessing packs per worker, so changing the worker count changes the stream). Supports
-  `get_state()` / `set_state()` for exact resumption (the state is JSON-serializable). With
-  workers, call `close()` when done; spawned workers re-import `__main__`, so scripts need an
-  `if __name__ == "__main__":` guard.
+
+def _stream_rows(config, process_index: int, process_count: int, rows) -> np.ndarray:
+  """The global batch rows a caller loads: `rows` as given, else process p of P's contiguous
+  block of B/P rows."""
+  if rows is not None:
+    return np.asarray(rows, np.int64)
+  _check_process(process_index, process_count)
+  local = _local_batch_size(config, process_count)
+  return np.arange(process_index * local, (process_index + 1) * local)
+
+
+def _global_stream(config, components, *, seed: int, process_index: int, process_count: int,
+                   rows) -> global_stream.GlobalBatchStream:
+  return global_stream.GlobalBatchStream(
+      components, seq_len=int(config.train.seq_len),
+      batch_size=int(config.train.global_batch_size),
+      rows=_stream_rows(config, process_index, process_count, rows), seed=seed, shuffle=True,
+      vocab_size=int(config.model.vocab_size))
+
+
+def make_train_iterator(config, *, process_index: int = 0, process_count: int = 1, rows=None):
+  """Infinite iterator over training batches (see module doc for the format), with
+  `get_state()` / `set_state()` for exact resumption (the state is JSON-serializable).
+
+  Sources of known document lengths (`reads_global_stream`): this caller's `rows` of every
+  global batch of one `global_stream.GlobalBatchStream` (default: block `process_index` of
+  `process_count`), the same stream for any split of the rows; read in-process (no workers:
+  it reads faster than workers could hand batches over).
+
+  Raw text, or data.num_shards > 0: shard `process_index` of `process_count` through grain
+  (ShardPlan.train_iterator combines several). Deterministic given `data.seed`, the shard index
+  and count and `data.num_workers` (grain's multiprocessing packs per worker, so changing the
+  worker count changes the stream). With workers, call `close()` when done; spawned workers
+  re-import `__main__`, so scripts need an `if __name__ == "__main__":` guard.
   """
   train_source = [(train, w) for w, train, _ in load_mixture(config)]
+  if reads_global_stream(config):
+    return _global_stream(config, train_source, seed=int(config.data.seed),
+                          process_index=process_index, process_count=process_count, rows=rows)
   ds = packed_batch_dataset(train_source, config, seed=int(config.data.seed), shuffle=True,
                             process_index=process_index, process_count=process_count,
                             num_workers=int(config.data.num_workers))
   return iter(ds)
 
 
-def make_eval_batches(config, *, process_index: int = 0,
-                      process_count: int = 1) -> list[dict[str, np.ndarray]]:
-  """Exactly `train.eval_batches` batches of this process's eval split, identical every call.
+def make_eval_batches(config, *, process_index: int = 0, process_count: int = 1,
+                      rows=None) -> list[dict[str, np.ndarray]]:
+  """Exactly `train.eval_batches` batches of the eval split, identical every call (the rows
+  chosen as for `make_train_iterator`).
 
   A fixed-seed shuffle of the eval pieces (independent of training progress), so every
   evaluation scores the same tokens and losses are comparable across steps. Built in-process:
   a few batches do not justify starting workers.
   """
   eval_source = [(evals, w) for w, _, evals in load_mixture(config)]
-  ds = packed_batch_dataset(eval_source, config,
-                            seed=int(config.data.seed) + _EVAL_SEED_OFFSET, shuffle=True,
-                            process_index=process_index, process_count=process_count)
-  it = iter(ds)
+  seed = int(config.data.seed) + _EVAL_SEED_OFFSET
+  if reads_global_stream(config):
+    it = _global_stream(config, eval_source, seed=seed, process_index=process_index,
+                        process_count=process_count, rows=rows)
+  else:
+    it = iter(packed_batch_dataset(eval_source, config, seed=seed, shuffle=True,
+                                   process_index=process_index, process_count=process_count))
   return [next(it) for _ in range(config.train.eval_batches)]
 
 

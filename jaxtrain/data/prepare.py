@@ -1,15 +1,18 @@
-"""Tokenize a corpus once into ArrayRecord shards plus a manifest (`python -m ...prepare`).
+"""Tokenize a corpus once into flat token-array shards plus a manifest (`python -m ...prepare`).
 
     python -m jaxtrain.data.prepare --input 'data/*.jsonl' --format jsonl --field text \\
         --tokenizer hf:/path/tokenizer.json --output DIR [--num_workers N]
 
 Shard i holds documents [i * docs_per_shard, (i + 1) * docs_per_shard) of the source, in source
 order, so the output does not depend on the number of worker processes. Each shard is written by
-`write_array_record_shard` (with its `.lengths.npy` sidecar) as `shard-00003-of-00012.arrayrecord`;
-train on them with `ArrayRecordTokenSource('DIR/*.arrayrecord')`.
+`write_token_shard` as `shard-00003-of-00012.bin` (the tokens, back to back, uint16 when the
+tokenizer's ids fit, else uint32) and `shard-00003-of-00012.idx.npy` (document offsets). Train on
+the directory, which `PreparedCorpus` memory-maps and reads piece by piece:
 
-`DIR/manifest.json` is written last and atomically: a directory without one holds a run that did
-not finish. `read_manifest(DIR)` checks that a prepared corpus is complete.
+    python -m jaxtrain.main ... --config.data.source=prepared --config.data.train_paths=DIR
+
+`DIR/manifest.json` (version 2) is written last and atomically: a directory without one holds a
+run that did not finish. `read_manifest(DIR)` checks that a prepared corpus is complete.
 """
 
 from __future__ import annotations
@@ -33,23 +36,26 @@ from typing import Any
 
 from jaxtrain.config import ConfigError
 from jaxtrain.data.sources import (DataError, JsonlSource, ParquetSource, TextFileSource,
-                                   write_array_record_shard)
+                                   token_dtype, write_token_shard)
+from jaxtrain.data.sources import prepared
 from jaxtrain.data.tokenizer import Tokenizer, load_tokenizer
 
 FORMATS = ("text", "jsonl", "parquet")
 ON_BAD_RECORD = ("fail", "skip")
-MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_NAME = prepared.MANIFEST_NAME
+MANIFEST_VERSION = prepared.MANIFEST_VERSION
 # Bad records whose reason is printed when skipping; the count is in the manifest.
 _MAX_SKIP_REASONS = 5
-# Every file a run writes into DIR (shards, sidecars, temporaries of a crashed run). Only these
-# are removed when DIR is reused, so a glob over DIR never mixes shards of two runs.
-_OWN_FILE_RE = re.compile(r"shard-\d{5,}-of-\d{5,}\.arrayrecord(\.lengths\.npy)?(\.tmp-\d+.*)?"
-                          r"|manifest\.json\.tmp-\d+")
+# Every file a run writes into DIR (shards, indexes, temporaries of a crashed run), and those of
+# the version-1 format (.arrayrecord with .lengths.npy sidecars). Only these are removed when DIR
+# is reused, so DIR never mixes shards of two runs and an old run's files do not linger.
+_OWN_FILE_RE = re.compile(r"shard-\d{5,}-of-\d{5,}(\.bin|\.idx\.npy|\.arrayrecord(\.lengths\.npy)?)"
+                          r"(\.tmp-\d+.*)?|manifest\.json\.tmp-\d+")
 
 
 def shard_name(index: int, num_shards: int) -> str:
-  return f"shard-{index:05d}-of-{num_shards:05d}.arrayrecord"
+  """The shard's file prefix: `write_token_shard` adds `.bin` and `.idx.npy`."""
+  return f"shard-{index:05d}-of-{num_shards:05d}"
 
 
 def _human(n: float) -> str:
@@ -154,9 +160,9 @@ _state: dict[str, Any] = {}
 
 
 def _init_worker(source, tokenizer: Tokenizer, add_bos: bool, add_eos: bool, skip: bool,
-                 output: str, docs_per_shard: int, num_shards: int) -> None:
+                 output: str, docs_per_shard: int, num_shards: int, dtype: str) -> None:
   _state.update(source=source, tokenizer=tokenizer, add_bos=add_bos, add_eos=add_eos, skip=skip,
-                output=output, docs_per_shard=docs_per_shard, num_shards=num_shards)
+                output=output, docs_per_shard=docs_per_shard, num_shards=num_shards, dtype=dtype)
 
 
 def _write_shard(index: int) -> dict[str, Any]:
@@ -179,13 +185,13 @@ def _write_shard(index: int) -> dict[str, Any]:
       yield tokenizer.encode_document(text, add_bos=s["add_bos"], add_eos=s["add_eos"])
 
   name = shard_name(index, s["num_shards"])
-  num_docs, num_tokens = write_array_record_shard(os.path.join(s["output"], name), docs())
+  num_docs, num_tokens = write_token_shard(os.path.join(s["output"], name), docs(), s["dtype"])
   return {"file": name, "documents": num_docs, "tokens": num_tokens, "skipped": len(skipped),
           "skip_reasons": skipped[:_MAX_SKIP_REASONS]}
 
 
 def _pool_context():
-  # Never fork: the parent may hold threads (tokenizers' Rust pool, array_record). A forkserver
+  # Never fork: the parent may hold threads (tokenizers' Rust pool, grain). A forkserver
   # imports this module (and jax, via jaxtrain.data) once for all workers; spawn would pay that
   # import in every worker.
   if "forkserver" in multiprocessing.get_all_start_methods():
@@ -236,13 +242,14 @@ def _write_manifest(output: str, manifest: dict[str, Any]) -> None:
   os.replace(tmp, path)
 
 
-def _manifest(*, input, format, field, tok, tokenizer_spec, add_bos, add_eos,
+def _manifest(*, input, format, field, tok, tokenizer_spec, dtype, add_bos, add_eos,
               docs_per_shard, on_bad_record, shards, skipped) -> dict[str, Any]:
   return {
       "version": MANIFEST_VERSION,
       "tokenizer": tokenizer_spec,
       "tokenizer_name": tok.name,
       "vocab_size": int(tok.vocab_size),
+      "token_dtype": dtype,
       "bos_id": tok.bos_id,
       "eos_id": tok.eos_id,
       "add_bos": bool(add_bos),
@@ -268,7 +275,7 @@ def prepare(input, *, format: str, tokenizer: str | Tokenizer, output: str,
             num_workers: int | None = None, docs_per_shard: int = 10000,
             on_bad_record: str = "fail", overwrite: bool = False,
             log: Callable[[str], None] | None = print) -> dict[str, Any]:
-  """Tokenizes `input` into ArrayRecord shards under `output`; returns the manifest written.
+  """Tokenizes `input` into token-array shards under `output`; returns the manifest written.
 
   Args:
     input: a path, glob or list of them (see `resolve_paths`).
@@ -295,6 +302,7 @@ def prepare(input, *, format: str, tokenizer: str | Tokenizer, output: str,
   output = _check_output(output, overwrite)
   tok = _load_tokenizer(tokenizer, add_bos, add_eos)
   tokenizer_spec = tok.name if isinstance(tokenizer, Tokenizer) else tokenizer
+  dtype = token_dtype(tok.vocab_size)
   source = open_source(input, format, field, on_bad_record)
   # Only now, with input and tokenizer known good, is an earlier run's output removed.
   removed = _clear_output(output)
@@ -304,9 +312,9 @@ def prepare(input, *, format: str, tokenizer: str | Tokenizer, output: str,
   num_shards = math.ceil(len(source) / docs_per_shard)
   workers = min(max_workers, num_shards)
   log(f"prepare: {source.describe()} -> {num_shards} shards in {output}, {workers} workers, "
-      f"tokenizer {tok.name}")
+      f"tokenizer {tok.name}, tokens as {dtype}")
   init_args = (source, tok, add_bos, add_eos, on_bad_record == "skip", output, docs_per_shard,
-               num_shards)
+               num_shards, dtype)
   shards, skip_reasons = [], list(getattr(source, "skip_reasons", []))
   skipped = getattr(source, "skipped", 0)  # JSONL skips bad lines while indexing
   results = _run_shards(init_args, num_shards, workers)
@@ -324,9 +332,9 @@ def prepare(input, *, format: str, tokenizer: str | Tokenizer, output: str,
     raise
 
   manifest = _manifest(input=input, format=format, field=field, tok=tok,
-                       tokenizer_spec=tokenizer_spec, add_bos=add_bos, add_eos=add_eos,
-                       docs_per_shard=docs_per_shard, on_bad_record=on_bad_record, shards=shards,
-                       skipped=skipped)
+                       tokenizer_spec=tokenizer_spec, dtype=dtype, add_bos=add_bos,
+                       add_eos=add_eos, docs_per_shard=docs_per_shard,
+                       on_bad_record=on_bad_record, shards=shards, skipped=skipped)
   totals = manifest["totals"]
   if totals["documents"] == 0:
     raise DataError(f"input {input!r}: empty corpus: all {skipped} records were bad and skipped, "
@@ -350,32 +358,15 @@ def prepare(input, *, format: str, tokenizer: str | Tokenizer, output: str,
 def read_manifest(directory: str) -> dict[str, Any]:
   """The manifest of a prepared corpus in `directory`, checked to be complete.
 
+  Checks what the manifest lists (both files of every shard), not the files' contents:
+  `PreparedCorpus(directory)` checks those too.
+
   Raises:
-    DataError: no manifest (not prepared, or a run that did not finish), an unreadable or
-      unknown-version manifest, or a shard it lists that is missing.
+    DataError: no manifest (not prepared, or a run that did not finish), an unreadable,
+      malformed or unknown-version manifest (version 1: the old ArrayRecord format, with the
+      command that re-prepares it), or a shard file it lists that is missing.
   """
-  directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
-  path = os.path.join(directory, MANIFEST_NAME)
-  if not os.path.isfile(path):
-    raise DataError(f"{directory} has no {MANIFEST_NAME}: not a prepared corpus, or its run did "
-                    f"not finish; create it with `python -m jaxtrain.data.prepare --output "
-                    f"{directory} ...`")
-  try:
-    with open(path, encoding="utf-8") as f:
-      manifest = json.load(f)
-  except (OSError, ValueError) as e:
-    raise DataError(f"{path}: cannot read it as JSON ({type(e).__name__}: {e}); rerun prepare "
-                    f"with --overwrite") from None
-  version = manifest.get("version") if isinstance(manifest, dict) else None
-  if version != MANIFEST_VERSION:
-    raise DataError(f"{path}: manifest version {version!r}, expected {MANIFEST_VERSION}; rerun "
-                    f"prepare with --overwrite")
-  for shard in manifest.get("shards", []):
-    shard_path = os.path.join(directory, shard["file"])
-    if not os.path.isfile(shard_path):
-      raise DataError(f"{path} lists {shard['file']}, which is missing from {directory}; copy the "
-                      f"whole directory, or rerun prepare with --overwrite")
-  return manifest
+  return prepared.load_manifest(directory)[1]
 
 
 # --- command line -------------------------------------------------------------------------------
@@ -396,7 +387,9 @@ def _cli_message(e: Exception) -> str:
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog="python -m jaxtrain.data.prepare",
-      description="Tokenize a corpus once into ArrayRecord shards plus DIR/manifest.json.")
+      description="Tokenize a corpus once into token-array shards (.bin + .idx.npy) plus "
+                  "DIR/manifest.json; train with --config.data.source=prepared "
+                  "--config.data.train_paths=DIR.")
   p.add_argument("--input", required=True, nargs="+",
                  help="files or globs (quote globs); several may follow --input")
   p.add_argument("--format", required=True, choices=FORMATS,

@@ -44,6 +44,24 @@ class ShardPlan:
     return [concat_rows(batches) for batches in zip(*per_shard)]
 
 
+def open_data(config, mesh, data_module) -> tuple[Any, list[dict[str, np.ndarray]]]:
+  """(train iterator, eval batches) for this process on `mesh`: its rows of one global stream
+  where the data module reads one (`reads_global_stream`: the same batches for any process
+  count, without shards), else the data shards its devices hold (`plan_for_mesh`)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jaxtrain.mesh import batch_rows_by_process  # pylint: disable=import-outside-toplevel
+  reads_global = getattr(data_module, "reads_global_stream", None)
+  if reads_global is not None and reads_global(config):
+    rows = batch_rows_by_process(mesh, int(config.train.global_batch_size))[jax.process_index()]
+    train_iter = data_module.make_train_iterator(config, rows=rows)
+    # Every process holds the same state; one writes it into checkpoints.
+    train_iter.saves_state = jax.process_index() == 0
+    return train_iter, data_module.make_eval_batches(config, rows=rows)
+  shard_plan = plan_for_mesh(config, mesh)
+  return (shard_plan.train_iterator(data_module.make_train_iterator, config),
+          shard_plan.eval_batches(data_module.make_eval_batches, config))
+
+
 def plan_for_mesh(config, mesh) -> ShardPlan:
   """This process's ShardPlan for `config` on `mesh` (see `plan`)."""
   import jax  # pylint: disable=import-outside-toplevel  (the data pipeline itself needs no jax)
