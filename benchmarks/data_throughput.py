@@ -1,46 +1,58 @@
 """Input pipeline throughput alone (read, tokenize, pack, batch), no model.
 
 Corpus: the Python standard library's own .py files (no download), written once to a temporary
-directory as JSONL (raw text, tokenized while reading) and as pre-tokenized ArrayRecord shards.
-Batches of tiny.py's shape (16 × 256) are drawn with 0, 1 and 2 grain worker processes; the
-first batch (worker start-up) is excluded from the timing. Prints one table; the last line is
-`data_throughput: arrayrecord_tokens_per_sec=N jsonl_tokens_per_sec=N` (best worker count).
+directory as JSONL (raw text, tokenized while reading) and as a prepared corpus
+(`python -m jaxtrain.data.prepare`: flat token shards read by slice as one global stream).
+Batches of tiny.py's shape (16 × 256) are drawn from the prepared corpus (in-process: the global
+stream has no workers) and from the JSONL with 0, 1 and 2 grain worker processes; the prepared
+corpus also at longer sequences (16 × 8192). The first batch (start-up) is excluded from the
+timing. Prints one table; with --profile, where the prepared path's time goes. The last line is
+`data_throughput: arrayrecord_tokens_per_sec=N jsonl_tokens_per_sec=N` (16 × 256; the first
+figure is the prepared-corpus path, whatever its file format; JSONL at its best worker count).
 
   python benchmarks/data_throughput.py [--seconds 5] [--tokenizer byte|hf:PATH/tokenizer.json]
+                                       [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import tempfile
 import time
 
 from jaxtrain import data
 from jaxtrain.config import default_config
-from jaxtrain.data import sources, stdlib_corpus
+from jaxtrain.data import stdlib_corpus
+from jaxtrain.data.prepare import prepare
 from jaxtrain.data.tokenizer import load_tokenizer
 
 
 def write_corpus(root: str, tokenizer_spec: str, max_docs: int) -> tuple[str, str]:
-  """(jsonl path, arrayrecord glob) of the stdlib's .py files."""
+  """(jsonl path, prepared directory) of the stdlib's .py files."""
   stdlib = stdlib_corpus.stdlib_root()
-  texts = []
-  for rel in stdlib_corpus.list_stdlib_files(stdlib)[:max_docs]:
-    with open(os.path.join(stdlib, rel), encoding="utf-8", errors="replace") as f:
-      texts.append(f.read())
   jsonl = os.path.join(root, "corpus.jsonl")
-  with open(jsonl, "w", encoding="utf-8") as f:
-    for t in texts:
-      f.write(json.dumps({"text": t}) + "\n")
-  tok = load_tokenizer(tokenizer_spec)
-  half = len(texts) // 2
-  for i, part in enumerate((texts[:half], texts[half:])):
-    sources.write_array_record_shard(
-        os.path.join(root, f"shard-{i}.arrayrecord"),
-        (tok.encode_document(t, add_bos=False, add_eos=True) for t in part))
-  return jsonl, os.path.join(root, "*.arrayrecord")
+  with open(jsonl, "w", encoding="utf-8") as out:
+    for rel in stdlib_corpus.list_stdlib_files(stdlib)[:max_docs]:
+      with open(os.path.join(stdlib, rel), encoding="utf-8", errors="replace") as f:
+        out.write(json.dumps({"text": f.read()}) + "\n")
+  prepared = os.path.join(root, "prepared")
+  prepare(jsonl, format="jsonl", tokenizer=tokenizer_spec, output=prepared, num_workers=1,
+          docs_per_shard=max(max_docs // 4, 1), log=None)
+  return jsonl, prepared
+
+
+def _config(source: str, paths: str, tokenizer_spec: str, vocab_size: int, seq_len: int,
+            workers: int):
+  c = default_config()
+  c.model.vocab_size = max(384, vocab_size)
+  c.train.global_batch_size, c.train.seq_len = 16, seq_len
+  c.data.source, c.data.train_paths, c.data.tokenizer = source, paths, tokenizer_spec
+  c.data.num_workers = workers
+  return c
 
 
 def measure(config, seconds: float) -> float:
@@ -58,32 +70,52 @@ def measure(config, seconds: float) -> float:
   return rate
 
 
+def profile(config, batches: int = 4000) -> None:
+  """Where the prepared path's time goes: the stream's own functions by total time."""
+  it = data.make_train_iterator(config)
+  next(it)
+  profiler = cProfile.Profile()
+  profiler.enable()
+  for _ in range(batches):
+    next(it)
+  profiler.disable()
+  stats = pstats.Stats(profiler)
+  total = sum(v[2] for v in stats.stats.values())  # tottime over every function
+  rows = sorted(((v[2], f"{os.path.basename(k[0])}:{k[2]}") for k, v in stats.stats.items()),
+                reverse=True)[:12]
+  print(f"profile: {batches} batches of 16 × {config.train.seq_len}, "
+        f"{total / batches * 1e6:.0f} us per batch under the profiler")
+  for seconds, name in rows:
+    print(f"  {100 * seconds / total:5.1f}%  {seconds / batches * 1e6:7.1f} us  {name}")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seconds", type=float, default=5.0)
   parser.add_argument("--tokenizer", default="byte")
   parser.add_argument("--max_docs", type=int, default=400)
+  parser.add_argument("--profile", action="store_true",
+                      help="also profile the prepared path (16 × 256)")
   args = parser.parse_args()
   tok = load_tokenizer(args.tokenizer)
   with tempfile.TemporaryDirectory() as root:
-    jsonl, shards = write_corpus(root, args.tokenizer, args.max_docs)
+    jsonl, prepared = write_corpus(root, args.tokenizer, args.max_docs)
+    runs = [("prepared", prepared, 256, 0), ("prepared", prepared, 8192, 0)]
+    runs += [("jsonl", jsonl, 256, w) for w in (0, 1, 2)]
     rows, best = [], {}
-    for name, source, paths in [("arrayrecord", "arrayrecord", shards),
-                                ("jsonl", "jsonl", jsonl)]:
-      for workers in (0, 1, 2):
-        c = default_config()
-        c.model.vocab_size = max(384, tok.vocab_size)
-        c.train.global_batch_size, c.train.seq_len = 16, 256
-        c.data.source, c.data.train_paths, c.data.tokenizer = source, paths, args.tokenizer
-        c.data.num_workers = workers
-        rate = measure(c, args.seconds)
-        rows.append((name, workers, rate))
-        best[name] = max(best.get(name, 0.0), rate)
-  print(f"{'source':<12} {'workers':>7} {'tokens/s':>14}   (batches of 16 × 256, "
-        f"tokenizer {tok.name})")
-  for name, workers, rate in rows:
-    print(f"{name:<12} {workers:>7} {rate:>14,.0f}")
-  print(f"data_throughput: arrayrecord_tokens_per_sec={best['arrayrecord']:.0f} "
+    for source, paths, seq_len, workers in runs:
+      c = _config(source, paths, args.tokenizer, tok.vocab_size, seq_len, workers)
+      rate = measure(c, args.seconds)
+      rows.append((source, seq_len, workers, rate))
+      if seq_len == 256:
+        best[source] = max(best.get(source, 0.0), rate)
+    if args.profile:
+      profile(_config("prepared", prepared, args.tokenizer, tok.vocab_size, 256, 0))
+  print(f"{'source':<10} {'batch':>9} {'workers':>8} {'tokens/s':>14}   (tokenizer {tok.name})")
+  for source, seq_len, workers, rate in rows:
+    workers_text = "-" if source == "prepared" else str(workers)
+    print(f"{source:<10} {'16 × ' + str(seq_len):>9} {workers_text:>8} {rate:>14,.0f}")
+  print(f"data_throughput: arrayrecord_tokens_per_sec={best['prepared']:.0f} "
         f"jsonl_tokens_per_sec={best['jsonl']:.0f}")
 
 

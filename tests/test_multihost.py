@@ -257,10 +257,11 @@ def test_checkpoints_of_grains_own_handler_still_restore(tmp_path):
 # change the losses beyond float rounding.
 FAST_XLA = "--xla_backend_optimization_level=0"
 STEPS, SPLIT = 6, 3
-SHARDED = [*SMALL, "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
-           "--config.data.num_shards=2", "--config.train.log_every=1",
-           f"--config.train.eval_every={SPLIT}", "--config.optim.warmup_steps=2",
-           f"--config.optim.decay_steps={STEPS}", f"--config.checkpoint.every_steps={SPLIT}"]
+# The default data config: one global stream, the same batches for any process count.
+SPLIT_MESH = [*SMALL, "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+              "--config.train.log_every=1", f"--config.train.eval_every={SPLIT}",
+              "--config.optim.warmup_steps=2", f"--config.optim.decay_steps={STEPS}",
+              f"--config.checkpoint.every_steps={SPLIT}"]
 
 
 def _env(devices=None, **extra):
@@ -296,14 +297,15 @@ def _finish(proc, timeout=240):
 
 @pytest.mark.slow
 def test_two_processes_resume_as_one_process_with_the_uninterrupted_losses(tmp_path):
-  """2 processes x 4 CPU devices, mesh (2,2,2) with dcn_data=2, train 3 steps and checkpoint;
-  1 process x 8 devices resumes for 3 more; the losses equal an uninterrupted 1-process run."""
+  """2 processes x 4 CPU devices, mesh (2,2,2) with dcn_data=2 and the default data config,
+  train 3 steps and checkpoint; 1 process x 8 devices resumes for 3 more; the losses and eval
+  losses equal an uninterrupted 1-process run at every step."""
   cache = dict(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
   # The uninterrupted run and the 2-process run are independent: run them side by side.
-  one = subprocess.Popen(_main(tmp_path / "one", *SHARDED, f"--config.train.steps={STEPS}"),
+  one = subprocess.Popen(_main(tmp_path / "one", *SPLIT_MESH, f"--config.train.steps={STEPS}"),
                          cwd=REPO, env=_env(8, **cache), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
-  two = subprocess.Popen(_local(2, tmp_path / "two", *SHARDED, "--config.mesh.dcn_data=2",
+  two = subprocess.Popen(_local(2, tmp_path / "two", *SPLIT_MESH, "--config.mesh.dcn_data=2",
                                 f"--config.train.steps={SPLIT}"),
                          cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
@@ -311,8 +313,8 @@ def test_two_processes_resume_as_one_process_with_the_uninterrupted_losses(tmp_p
   _finish(one)
   assert "8 × cpu (2 process(es))" in out_two
   saved = tmp_path / "two" / "checkpoints" / str(SPLIT) / "data"
-  assert {"shard_0-of-2.json", "shard_1-of-2.json"} <= set(os.listdir(saved))
-  resumed = subprocess.run(_main(tmp_path / "two", *SHARDED, f"--config.train.steps={STEPS}"),
+  assert [n for n in os.listdir(saved) if n.endswith(".json")] == ["global_stream.json"]
+  resumed = subprocess.run(_main(tmp_path / "two", *SPLIT_MESH, f"--config.train.steps={STEPS}"),
                            cwd=REPO, env=_env(8, **cache), capture_output=True, text=True,
                            timeout=240)
   assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -418,7 +420,7 @@ def test_context_parallel_across_two_processes_matches_one(tmp_path):
   with the same mesh."""
   args = [*SMALL, "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.context=2",
           "--config.mesh.tensor=1", "--config.attention.context_parallel=ring",
-          "--config.data.num_shards=2", "--config.train.log_every=1", "--config.train.steps=3",
+          "--config.train.log_every=1", "--config.train.steps=3",
           "--config.train.eval_every=3", "--config.optim.warmup_steps=2"]
   one = subprocess.Popen(_main(tmp_path / "one", *args), cwd=REPO, env=_env(8),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -501,7 +501,24 @@ def summary(config, *, sample_docs: int = 256) -> list[tuple[str, str]]:
       long_docs = int((lengths - 1 > seq_len).sum())
       rows.append(("long documents", f"{long_docs:,} of {len(lengths):,} have more than "
                                      f"{seq_len} tokens (split into pieces)"))
+  rows.append(("data stream", _stream_description(config)))
   return rows
+
+
+def _stream_description(config) -> str:
+  if reads_global_stream(config):
+    text = "one global stream: the same batches for any number of processes"
+    if int(config.data.num_workers):
+      text += (f" (read in-process; data.num_workers={config.data.num_workers} applies to "
+               f"raw text only)")
+    return text
+  shards = int(config.data.num_shards)
+  if shards:
+    return (f"{shards} data shards: the same batches for any process count that divides "
+            f"{shards}")
+  return ("one data shard per process: raw text is tokenized as it is read, so its batches "
+          "change with the process count; set data.num_shards (or prepare the corpus) to fix "
+          "them")
 
 
 def _take(it: Iterator, n: int):

@@ -356,8 +356,8 @@ class PreparedCorpus(Source):
     return tokens[offset + start:offset + stop].astype(np.int32)
 
   def read_pieces(self, pieces_Q3) -> np.ndarray:
-    """The tokens of many pieces (doc, start, stop) concatenated, int32: one gather per shard
-    the pieces touch (the global stream reads a batch's pieces this way)."""
+    """The tokens of many pieces (doc, start, stop) concatenated, int32 (the global stream reads
+    a batch's pieces this way)."""
     shard_N, offset_N, lengths_N = self._lookup or self._build_lookup()
     doc_Q, start_Q, stop_Q = np.asarray(pieces_Q3, np.int64).reshape(-1, 3).T
     if len(doc_Q) and ((start_Q < 0) | (start_Q > stop_Q) | (stop_Q > lengths_N[doc_Q])).any():
@@ -365,27 +365,19 @@ class PreparedCorpus(Source):
                                | (stop_Q > lengths_N[doc_Q]))[0])
       raise IndexError(f"read_pieces: piece ({doc_Q[bad]}, {start_Q[bad]}, {stop_Q[bad]}) is "
                        f"outside its document of {lengths_N[doc_Q[bad]]} tokens")
+    # One slice copy per piece: a batch's pieces come from about as many shards as there are
+    # pieces, so per-shard gathers would loop as often and do more work per turn.
     sizes_Q = stop_Q - start_Q
-    # Position of every token in its shard's .bin.
-    first_Q = offset_N[doc_Q] + start_Q
-    where = np.repeat(first_Q - (np.cumsum(sizes_Q) - sizes_Q), sizes_Q) + np.arange(
-        int(sizes_Q.sum()))
-    shard_of_piece = shard_N[doc_Q]
-    out = np.empty(len(where), np.int32)
-    if len(np.unique(shard_of_piece)) == 1 and len(where):
-      shard = int(shard_of_piece[0])
-      tokens = self._maps[shard]
+    out = np.empty(int(sizes_Q.sum()), np.int32)
+    maps = self._maps
+    at = 0
+    for shard, first, size in zip(shard_N[doc_Q].tolist(), (offset_N[doc_Q] + start_Q).tolist(),
+                                  sizes_Q.tolist()):
+      tokens = maps[shard]
       if tokens is None:
         tokens = self._open_shard(shard)
-      out[:] = tokens[where]
-      return out
-    shard_of_token = np.repeat(shard_of_piece, sizes_Q)
-    for shard in np.unique(shard_of_piece).tolist():
-      at = shard_of_token == shard
-      tokens = self._maps[shard]
-      if tokens is None:
-        tokens = self._open_shard(shard)
-      out[at] = tokens[where[at]]
+      out[at:at + size] = tokens[first:first + size]
+      at += size
     return out
 
   def __getitem__(self, i) -> np.ndarray:
