@@ -206,10 +206,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.optim.offload_state = False
 
   c.data = ml_collections.ConfigDict()
-  # "stdlib_bytes" (the demo corpus), "arrayrecord" (shards from `python -m
+  # "stdlib_bytes" (the demo corpus), "prepared" (a directory written by `python -m
   # jaxtrain.data.prepare`), or raw "text" files, "jsonl", "parquet" tokenized while training.
   c.data.source = "stdlib_bytes"
-  c.data.train_paths = ""  # glob(s), comma-separated; used by file-based sources
+  # Raw sources: a path or glob (a list of them in a config file). "prepared": its directory.
+  c.data.train_paths = ""
   c.data.eval_paths = ""  # empty: hold out data.eval_fraction of the training documents
   c.data.field = "text"  # JSONL field / Parquet column holding the document
   # JSONL records: "text" (field above), "prompt_completion" ({"prompt", "completion"}: loss on
@@ -227,11 +228,15 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.on_decode_error = "fail"  # text files: "fail" on invalid UTF-8, or "replace"
   c.data.eval_fraction = 0.02
   c.data.seed = 0
-  c.data.num_workers = 0  # grain worker processes per data shard
-  # Virtual data shards S: shard s reads the pieces (or documents) s::S and gives B/S rows of
-  # every global batch of B, in shard order; each process reads only its own shards. A fixed S
-  # makes the global batches the same for any process count dividing S, so a checkpoint
-  # resumes exactly on another number of hosts (docs/launch.md). 0: one shard per process.
+  # grain worker processes per data shard (raw text; the global stream reads in-process)
+  c.data.num_workers = 0
+  # 0 (default): sources whose document lengths are known before reading ("prepared",
+  # "stdlib_bytes") are read as one global stream: the same global batches for any number of
+  # processes, each process reading only its rows, so a checkpoint resumes exactly on another
+  # number of hosts; raw text ("text", "jsonl", "parquet") is read one shard per process.
+  # S > 0: virtual data shards: shard s reads the pieces (or documents) s::S and gives B/S rows
+  # of every global batch of B, in shard order; the batches are the same for any process count
+  # dividing S (docs/launch.md). Set it for raw text that must not depend on the host count.
   c.data.num_shards = 0
 
   # Multi-process runs (jaxtrain/distributed.py); ignored by a single process.

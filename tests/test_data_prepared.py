@@ -53,6 +53,17 @@ def test_batches_from_a_prepared_corpus(tmp_path):
   assert_resumes(c)
 
 
+def test_batch_reads_equal_piece_by_piece_reads(tmp_path):
+  _, directory = _prepare(tmp_path, docs_per_shard=7)
+  corpus = sources.PreparedCorpus(directory)
+  pieces = data.piece_index(corpus.doc_lengths(), 16)
+  pick = pieces[np.random.default_rng(0).permutation(len(pieces))[:200]]
+  np.testing.assert_array_equal(
+      corpus.read_pieces(pick), np.concatenate([corpus.read(*p) for p in pick.tolist()]))
+  with pytest.raises(IndexError, match="outside its document"):
+    corpus.read_pieces([[0, 0, int(corpus.doc_lengths()[0]) + 1]])
+
+
 def test_rows_of_any_process_split_are_rows_of_the_one_stream(tmp_path):
   _, directory = _prepare(tmp_path)
   c = _config(directory)

@@ -11,6 +11,7 @@ import pytest
 
 from jaxtrain import data
 from tests.test_data import small_config, take
+from tests.test_data_prepared import _prepare
 from tests.test_data_text import _jsonl, _texts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,9 +68,17 @@ def _resume_in_fresh_process(tmp_path, overrides):
 
 
 @pytest.mark.slow
+def test_stdlib_resume_in_fresh_process(tmp_path):
+  _resume_in_fresh_process(tmp_path, {})
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
-def test_stdlib_resume_in_fresh_process(tmp_path, workers):
-  _resume_in_fresh_process(tmp_path, {"num_workers": workers})
+def test_prepared_resume_in_fresh_process(tmp_path, workers):
+  # The global stream reads in-process whatever data.num_workers says: the same batches.
+  _, directory = _prepare(tmp_path)
+  _resume_in_fresh_process(tmp_path, {"source": "prepared", "train_paths": str(directory),
+                                      "num_workers": workers})
 
 
 @pytest.mark.slow

@@ -79,8 +79,8 @@ def test_prepare_then_train_on_the_shards(tmp_path):
   manifest = prepare(corpus, format="jsonl", tokenizer=f"hf:{tokenizer}",
                      output=str(tmp_path / "prepared"), num_workers=1, log=None)
   assert manifest["vocab_size"] <= 384
-  _, records = _run(tmp_path / "run", "--config.data.source=arrayrecord",
-                    f"--config.data.train_paths={tmp_path / 'prepared' / '*.arrayrecord'}",
+  _, records = _run(tmp_path / "run", "--config.data.source=prepared",
+                    f"--config.data.train_paths={tmp_path / 'prepared'}",
                     "--config.train.steps=40", "--config.train.log_every=10",
                     "--config.train.eval_every=40", "--config.optim.warmup_steps=5",
                     "--config.optim.learning_rate=5e-3")
