@@ -1,18 +1,20 @@
 """Throughput of `python -m jaxtrain.data.prepare` (read, tokenize, write shards), no model.
 
 Corpus: the Python standard library's own .py files (no download; ~1800 files, ~31 MB on
-CPython 3.11), written once to a temporary JSONL; `--max_docs` caps it. A byte-level BPE
-`tokenizer.json` (vocab `--vocab_size`, "<s>"/"</s>") is trained on the same files in the
-temporary directory (~6 s on 2 cores for the whole corpus). `prepare` then runs for each
-tokenizer (byte, bpe) with 1 and 2 worker processes and with the default (`num_workers=None`);
-each time is the whole run as a user sees it, worker start-up (~2.5 s per process start)
-included. The corpus is cut into shards of `--docs_per_shard` documents (default 100, ~18 shards)
-so that two workers have shards to share: with prepare's default of 10000 documents per shard the
-stdlib would be a single shard. Prints one table; the last line is
+CPython 3.11), written once to a temporary JSONL; `--max_docs` caps it to the first N files. A
+byte-level BPE `tokenizer.json` (vocab `--vocab_size`, "<s>"/"</s>") is trained on the same files
+in the temporary directory (~6 s on 2 cores for the whole corpus). `prepare` then runs for each
+tokenizer (byte, bpe) with 1 and 2 worker processes and with the default (`num_workers=None`,
+which `prepare.worker_plan` resolves: one process for an input this small); the table shows the
+processes x tokenizer threads each ran with. Each time is the whole run as a user sees it,
+worker start-up (~2.5 s) included. The corpus is cut into shards of `--docs_per_shard` documents
+(default 100, ~18 shards) so that two workers have shards to share: with prepare's default of
+10000 documents per shard the stdlib would be a single shard. Prints one table; the last line is
 `prepare_throughput: byte_tokens_per_sec=N bpe_tokens_per_sec=N` (best worker setting of each).
 
-The whole corpus takes about a minute and a half on 2 cores; pass e.g. `--max_docs 600` for a
-quicker look.
+The whole corpus takes about a minute on 2 cores (the BPE runs dominate); pass e.g.
+`--max_docs 600` for a quicker look. Runs vary by ~20% on a shared machine: compare settings
+within one run, not across runs.
 
   python benchmarks/prepare_throughput.py [--max_docs N] [--vocab_size 8000] [--docs_per_shard 100]
 """
@@ -24,6 +26,8 @@ import json
 import os
 import tempfile
 import time
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxtrain.data import prepare as prep
 from jaxtrain.data import stdlib_corpus
@@ -47,8 +51,6 @@ def write_corpus(root: str, max_docs: int | None) -> tuple[str, list[str]]:
 
 def train_bpe(directory: str, texts: list[str], vocab_size: int) -> str:
   """Spec of a byte-level BPE trained on `texts`, with "<s>"/"</s>" named as BOS/EOS."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
-
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
@@ -89,7 +91,8 @@ def main():
     for name, spec in specs.items():
       tok = load_tokenizer(spec)
       for workers in (1, 2, None):
-        processes, threads = prep.worker_plan(tok, workers, num_shards)
+        processes, threads = prep.worker_plan(tok, workers, num_shards,
+                                               os.path.getsize(jsonl))
         setting = "default" if workers is None else str(workers)
         docs, tokens, seconds = measure(jsonl, spec, workers, args.docs_per_shard,
                                         os.path.join(root, "out"))

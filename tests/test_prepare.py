@@ -238,6 +238,121 @@ def test_bad_records_fail_or_skip(tmp_path):
   assert manifest["skipped_records"] == 1 and manifest["totals"]["documents"] == 1
 
 
+def test_batches_match_per_document_encoding(corpus, tmp_path, monkeypatch):
+  """Shards hold exactly encode_document's ids, whether a batch ends by count or by characters."""
+  tok = load_tokenizer(corpus["tokenizer"])
+  calls = []
+  batch_encode = type(tok).encode_documents
+
+  def recording(self, texts, **kwargs):
+    calls.append([len(t) for t in texts])
+    return batch_encode(self, texts, **kwargs)
+
+  monkeypatch.setattr(type(tok), "encode_documents", recording)
+  monkeypatch.setattr(prep, "_BATCH_DOCS", 7)
+  monkeypatch.setattr(prep, "_BATCH_CHARS", 1000)
+  out = tmp_path / "out"
+  prep.prepare(corpus["jsonl"], format="jsonl", tokenizer=tok, output=str(out), add_bos=True,
+               add_eos=True, num_workers=1, docs_per_shard=100, log=None)
+  source = PreparedCorpus(out)
+  for i, text in enumerate(corpus["docs"]):
+    np.testing.assert_array_equal(source[i], tok.encode_document(text, add_bos=True, add_eos=True))
+  # Batches never span shards, hold at most 7 documents, and end once they reach 1000 characters;
+  # both limits were hit.
+  assert sum(map(len, calls)) == NUM_DOCS and max(map(len, calls)) == 7
+  assert all(sum(lengths[:-1]) < 1000 for lengths in calls)
+  assert any(len(lengths) < 7 and sum(lengths) >= 1000 for lengths in calls)
+  ends = np.cumsum([len(lengths) for lengths in calls])
+  assert {100, 200} <= set(ends.tolist())
+
+
+def test_batches_skip_or_fail_bad_records_in_order(tmp_path, monkeypatch):
+  """Bad records inside and at the edges of batches: skipped and counted in order, or the run
+  fails at the first one, as with one document at a time."""
+  monkeypatch.setattr(prep, "_BATCH_DOCS", 2)
+  texts = {f"{i:02d}.txt": f"document {i} é" for i in range(9)}
+  bad = ["00.txt", "03.txt", "04.txt", "08.txt"]  # first, a pair across a batch edge, last
+  (tmp_path / "in").mkdir()
+  for name, text in texts.items():
+    data = b"\xff\xfe broken" if name in bad else text.encode("utf-8")
+    (tmp_path / "in" / name).write_bytes(data)
+  pattern = str(tmp_path / "in" / "*.txt")
+  lines = []
+  manifest = prep.prepare(pattern, format="text", tokenizer="byte", output=str(tmp_path / "skip"),
+                          on_bad_record="skip", num_workers=1, docs_per_shard=5, log=lines.append)
+  assert manifest["skipped_records"] == 4
+  assert [s["documents"] for s in manifest["shards"]] == [2, 3]
+  source = PreparedCorpus(tmp_path / "skip")
+  tok = load_tokenizer("byte")
+  good = [text for name, text in texts.items() if name not in bad]
+  assert [tok.decode(source[i]) for i in range(len(source))] == good
+  reasons = [line for line in lines if "invalid UTF-8" in line]
+  assert [os.path.basename(r.split(":")[0].strip()) for r in reasons] == bad
+
+  good_then_bad = str(tmp_path / "in" / "0[1-3].txt")  # 01, 02 fill a batch; 03 starts the next
+  with pytest.raises(DataError, match=r"03\.txt: invalid UTF-8 at byte offset 0"):
+    prep.prepare(good_then_bad, format="text", tokenizer="byte", output=str(tmp_path / "fail"),
+                 num_workers=1, log=None)
+  assert not os.path.exists(tmp_path / "fail" / "manifest.json")
+  assert not [n for n in os.listdir(tmp_path / "fail") if ".tmp-" in n]
+
+
+def test_worker_plan(corpus, monkeypatch):
+  """Processes x tokenizer threads: a process per CPU by default, one for a small input; HF's
+  threads share out the CPUs among the processes."""
+  monkeypatch.setattr(prep, "_available_cpus", lambda: 8)
+  for var in ("RAYON_NUM_THREADS", "TOKENIZERS_NUM_THREADS", "TOKENIZERS_PARALLELISM"):
+    monkeypatch.delenv(var, raising=False)
+  byte, hf = load_tokenizer("byte"), load_tokenizer(corpus["tokenizer"])
+  big, small = prep._SMALL_INPUT_BYTES, prep._SMALL_INPUT_BYTES - 1
+
+  def plan(tok, num_workers, num_shards, input_bytes=big):
+    return prep.worker_plan(tok, num_workers, num_shards, input_bytes)
+
+  assert [plan(byte, None, 100), plan(byte, None, 3), plan(byte, 2, 100)] == [
+      (8, 1), (3, 1), (2, 1)]
+  assert [plan(hf, None, 100), plan(hf, None, 2), plan(hf, None, 1)] == [(8, 1), (2, 4), (1, 8)]
+  assert [plan(hf, 1, 100), plan(hf, 2, 100), plan(hf, 3, 100), plan(hf, 4, 2),
+          plan(hf, 16, 100)] == [(1, 8), (2, 4), (3, 2), (2, 4), (16, 1)]
+  # A small input runs in-process unless workers are asked for.
+  assert [plan(byte, None, 100, small), plan(hf, None, 100, small)] == [(1, 1), (1, 8)]
+  assert [plan(byte, 2, 100, small), plan(hf, 2, 100, small)] == [(2, 1), (2, 4)]
+  monkeypatch.setenv("RAYON_NUM_THREADS", "3")  # the user's choice wins
+  assert [plan(hf, 2, 100), plan(byte, 2, 100)] == [(2, 3), (2, 1)]
+  monkeypatch.delenv("RAYON_NUM_THREADS")
+  monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # HF then encodes on one thread
+  assert [plan(hf, None, 1), plan(hf, 2, 100)] == [(1, 1), (2, 1)]
+
+
+def test_default_prepares_a_small_input_in_process(corpus, tmp_path, monkeypatch):
+  monkeypatch.setattr(prep, "_available_cpus", lambda: 4)
+  for var in ("RAYON_NUM_THREADS", "TOKENIZERS_NUM_THREADS", "TOKENIZERS_PARALLELISM"):
+    monkeypatch.delenv(var, raising=False)
+  lines = []
+  prep.prepare(corpus["jsonl"], format="jsonl", tokenizer=corpus["tokenizer"],
+               output=str(tmp_path / "out"), docs_per_shard=100, log=lines.append)
+  assert "-> 3 shards in " in lines[0] and ", 1 workers (4 tokenizer threads each), " in lines[0]
+
+
+def test_worker_process_caps_tokenizer_threads(corpus, monkeypatch):
+  """A worker process exports its share of threads before its first batch; the user's wins."""
+  environ = {k: v for k, v in os.environ.items()
+             if k not in ("RAYON_NUM_THREADS", "TOKENIZERS_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
+  monkeypatch.setattr(os, "environ", environ)  # a copy: nothing leaks into this process
+  monkeypatch.setattr(prep, "_state", {})
+  hf = load_tokenizer(corpus["tokenizer"])
+  args = (None, hf, False, True, False, "unused", 100, 1, "<u2")
+  prep._init_worker(*args, 3)
+  assert (environ["RAYON_NUM_THREADS"], environ["TOKENIZERS_NUM_THREADS"]) == ("3", "3")
+  environ["RAYON_NUM_THREADS"] = environ["TOKENIZERS_NUM_THREADS"] = "5"
+  prep._init_worker(*args, 2)
+  assert (environ["RAYON_NUM_THREADS"], environ["TOKENIZERS_NUM_THREADS"]) == ("5", "5")
+  del environ["RAYON_NUM_THREADS"], environ["TOKENIZERS_NUM_THREADS"]
+  prep._init_worker(*args)  # in-process: the caller's environment is left alone
+  prep._init_worker(None, load_tokenizer("byte"), *args[2:], 1)  # no threads to cap
+  assert "RAYON_NUM_THREADS" not in environ and "TOKENIZERS_NUM_THREADS" not in environ
+
+
 def test_empty_input_and_bad_arguments(tmp_path):
   blank = tmp_path / "blank.jsonl"
   blank.write_text("\n  \n", encoding="utf-8")

@@ -196,6 +196,80 @@ def test_directory_with_tokenizer_model(tmp_path, sp_model):
   assert isinstance(tok, tokenizer_lib.SentencePieceTokenizer)
 
 
+# --- Batches ------------------------------------------------------------------------------------
+
+# Empty, whitespace-only, non-ASCII (2-, 3- and 4-byte UTF-8), specials written in the text (HF
+# parses those into their ids, in a batch too), a long text, and texts of the training kind.
+BATCH_TEXTS = (["", TEXT, "unseen wörds: ∑ 你好! 🙂", "   ", "\n\n\t", "é", "<s> tags </s> inline",
+                " leading space", "trailing newline\n", "zebras graze " * 300]
+               + SENTENCES[:40])
+
+
+def assert_batch_matches_documents(tok, texts):
+  """encode_documents == encode_document text by text, for every BOS/EOS combination."""
+  for add_bos in (False, True):
+    for add_eos in (False, True):
+      docs = tok.encode_documents(texts, add_bos=add_bos, add_eos=add_eos)
+      assert isinstance(docs, list) and len(docs) == len(texts)
+      for text, doc in zip(texts, docs):
+        want = tok.encode_document(text, add_bos=add_bos, add_eos=add_eos)
+        assert doc.dtype == np.int32 and doc.shape == want.shape, text
+        np.testing.assert_array_equal(doc, want, err_msg=repr(text[:40]))
+  assert tok.encode_documents([], add_bos=False, add_eos=True) == []
+
+
+def test_encode_documents_byte():
+  tok = tokenizer_lib.load_tokenizer("byte")
+  assert not tok.batch_threads
+  assert_batch_matches_documents(tok, BATCH_TEXTS)
+
+
+def test_encode_documents_hf(hf_dir):
+  tok = tokenizer_lib.load_tokenizer(hf_dir)
+  assert tok.batch_threads
+  # The post-processor would wrap each text in <s> ... </s>, and the text "<s>" encodes to the BOS
+  # id: the batch must take neither path differently from encode_document.
+  assert tok._tok.encode(TEXT).ids[0] == tok.bos_id
+  assert tok.encode("<s>").tolist() == [tok.bos_id]
+  assert_batch_matches_documents(tok, BATCH_TEXTS)
+  assert_batch_matches_documents(tok, BATCH_TEXTS[::-1])  # no dependence on the neighbours
+
+
+def test_encode_documents_hf_with_padding_configured(hf_dir):
+  """A tokenizer.json that enables padding pads a batch to its longest text; the documents must
+  still be those of encode_document (which pads a text to its own length: not at all)."""
+  tok = tokenizer_lib.load_tokenizer(hf_dir)
+  tok._tok.enable_padding(pad_id=tok.eos_id, pad_token="</s>")
+  padded = tok._tok.encode_batch(BATCH_TEXTS, add_special_tokens=False)
+  assert len({len(e.ids) for e in padded}) == 1  # what the library does to a batch
+  assert_batch_matches_documents(tok, BATCH_TEXTS)
+
+
+def test_encode_documents_hf_missing_special(tmp_path):
+  train_hf_tokenizer(str(tmp_path), {"bos_token": None, "eos_token": "</s>"})
+  tok = tokenizer_lib.load_tokenizer(str(tmp_path))
+  with pytest.raises(ConfigError, match="add_bos=True: tokenizer hf:.* has no BOS token"):
+    tok.encode_documents([TEXT], add_bos=True, add_eos=True)
+
+
+@pytest.mark.parametrize("value, threads", [(None, True), ("true", True), ("1", True),
+                                            ("false", False), ("0", False), ("OFF", False),
+                                            ("", False)])
+def test_hf_batch_threads_follow_tokenizers_parallelism(hf_dir, monkeypatch, value, threads):
+  """TOKENIZERS_PARALLELISM, spelled as the library reads it, switches its batch threads off."""
+  if value is None:
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+  else:
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", value)
+  assert tokenizer_lib.load_tokenizer(hf_dir).batch_threads is threads
+
+
+def test_encode_documents_sentencepiece(sp_model):
+  tok = tokenizer_lib.load_tokenizer(sp_model)
+  assert not tok.batch_threads
+  assert_batch_matches_documents(tok, BATCH_TEXTS)
+
+
 # --- Errors -------------------------------------------------------------------------------------
 
 

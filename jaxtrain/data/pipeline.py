@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 

@@ -66,7 +66,7 @@ def _human(n: float) -> str:
   return f"{n:.0f}"
 
 
-def _default_num_workers() -> int:
+def _available_cpus() -> int:
   # The CPUs this process may run on: os.cpu_count() counts the host's, which overcommits in a
   # container or under taskset.
   if hasattr(os, "sched_getaffinity"):
@@ -74,21 +74,63 @@ def _default_num_workers() -> int:
   return os.cpu_count() or 1
 
 
+# Inputs smaller than this are tokenized in-process by default: a worker pool costs ~2.5 s to
+# start (each worker imports jax), and one process has all the CPUs for an HF tokenizer's threads.
+# Measured on 2 CPUs (stdlib .py files as JSONL, 8k-vocab BPE), one process of 2 threads against
+# two of 1: 33 MB 8-11 s vs 10-13 s, 65 MB even (~18-20 s), 130 MB 35 s vs 33 s; two processes
+# win at scale, as they run the Python between batches in parallel too. For the byte tokenizer
+# (~50 MB/s in one process) a pool only pays off from ~250 MB; one threshold serves both.
+_SMALL_INPUT_BYTES = 64 << 20
+
+# What sizes the HF tokenizer's thread pool: `tokenizers` 0.22-0.23 encode batches on rayon's
+# global pool, which reads RAYON_NUM_THREADS when it is built; later releases build their own
+# pool from TOKENIZERS_NUM_THREADS. Workers get both; a value the user exported wins.
+_THREAD_ENV_VARS = ("RAYON_NUM_THREADS", "TOKENIZERS_NUM_THREADS")
+
+
+def _exported_threads() -> int | None:
+  """The tokenizer thread count the user exported (see _THREAD_ENV_VARS), None when unset."""
+  for var in _THREAD_ENV_VARS:
+    value = os.environ.get(var, "").strip()
+    if value.isdigit() and int(value) > 0:
+      return int(value)
+  return None
+
+
+def worker_plan(tokenizer: Tokenizer, num_workers: int | None, num_shards: int,
+                input_bytes: int) -> tuple[int, int]:
+  """(worker processes, tokenizer threads in each) for `num_shards` shards of `input_bytes`.
+
+  By default (`num_workers` None) there is a process per CPU, except for an input under
+  _SMALL_INPUT_BYTES, which one process finishes before a pool would have paid for its start-up.
+  Processes never outnumber shards. A tokenizer whose batches run on its library's threads
+  (`Tokenizer.batch_threads`, the HF kind) gets the CPUs divided among the processes: left
+  alone, every process would start a thread per CPU and they would fight over the cores, and
+  with fewer processes than CPUs (a small input, few shards, or a smaller `num_workers`) the
+  threads keep every CPU busy. Other tokenizers encode under the GIL; their threads read 1.
+  """
+  cpus = _available_cpus()
+  if num_workers is None:
+    num_workers = 1 if input_bytes < _SMALL_INPUT_BYTES else cpus
+  processes = max(1, min(num_workers, num_shards))
+  if not tokenizer.batch_threads:
+    return processes, 1
+  return processes, _exported_threads() or max(1, cpus // processes)
+
+
 def _check_args(format: str, on_bad_record: str, num_workers: int | None,
-                docs_per_shard: int) -> int:
-  """Validates the plain arguments; returns the number of workers asked for."""
+                docs_per_shard: int) -> None:
+  """Validates the plain arguments."""
   if format not in FORMATS:
     raise ConfigError(f"format={format!r}: choose one of {', '.join(FORMATS)}")
   if on_bad_record not in ON_BAD_RECORD:
     raise ConfigError(f"on_bad_record={on_bad_record!r}: choose 'fail' or 'skip'")
   if isinstance(docs_per_shard, bool) or not isinstance(docs_per_shard, int) or docs_per_shard < 1:
     raise ConfigError(f"docs_per_shard={docs_per_shard!r}: must be a positive integer")
-  if num_workers is None:
-    return _default_num_workers()
-  if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-    raise ConfigError(f"num_workers={num_workers!r}: must be a positive integer (or None for one "
-                      f"per CPU)")
-  return num_workers
+  if num_workers is not None and (isinstance(num_workers, bool) or
+                                  not isinstance(num_workers, int) or num_workers < 1):
+    raise ConfigError(f"num_workers={num_workers!r}: must be a positive integer (or None to "
+                      f"choose from the CPUs and the tokenizer)")
 
 
 def _check_output(output: str, overwrite: bool) -> str:
@@ -116,6 +158,17 @@ def open_source(input, format: str, field: str, on_bad_record: str):
   if format == "jsonl":
     return JsonlSource(input, field=field, on_bad_record=on_bad_record, what="input")
   return ParquetSource(input, column=field, what="input")
+
+
+def _input_bytes(source, enough: int) -> int:
+  """Bytes of the files `source` reads (compressed for Parquet), counted only up to `enough`:
+  all of a million one-document text files would take a million stat calls."""
+  total = 0
+  for path in source.paths:
+    total += os.path.getsize(path)
+    if total >= enough:
+      break
+  return total
 
 
 def _clear_output(output: str) -> int:
@@ -154,13 +207,28 @@ warnings.filterwarnings("ignore", message=r"'jaxtrain\.data\.prepare' found in s
 
 # --- the work of one shard, in a worker process (or in-process for one worker) ------------------
 
+# Documents per `Tokenizer.encode_documents` call: enough for the HF tokenizer's threads to share
+# (it hands out whole documents) with little waiting on the batch's longest one. A batch also ends
+# past _BATCH_CHARS characters, so that a run of huge documents and their int32 ids stays a few
+# hundred MB at most.
+_BATCH_DOCS = 256
+_BATCH_CHARS = 1 << 25
+
 # Set once per worker process by `_init_worker`: the source and tokenizer arrive pickled once per
 # worker, not once per shard.
 _state: dict[str, Any] = {}
 
 
 def _init_worker(source, tokenizer: Tokenizer, add_bos: bool, add_eos: bool, skip: bool,
-                 output: str, docs_per_shard: int, num_shards: int, dtype: str) -> None:
+                 output: str, docs_per_shard: int, num_shards: int, dtype: str,
+                 threads: int | None = None) -> None:
+  """Stores the run's arguments; in a worker process (`threads` given) also caps the tokenizer's
+  threads to the worker's share of the CPUs (see `worker_plan`)."""
+  if threads is not None and tokenizer.batch_threads:
+    # Read when the pool is built, at the worker's first batch: nothing has encoded in this
+    # fresh process yet. A value the user exported is kept (`threads` is that value then).
+    for var in _THREAD_ENV_VARS:
+      os.environ.setdefault(var, str(threads))
   _state.update(source=source, tokenizer=tokenizer, add_bos=add_bos, add_eos=add_eos, skip=skip,
                 output=output, docs_per_shard=docs_per_shard, num_shards=num_shards, dtype=dtype)
 
@@ -173,7 +241,9 @@ def _write_shard(index: int) -> dict[str, Any]:
   hi = min(lo + s["docs_per_shard"], len(source))
   skipped = []
 
-  def docs():
+  def batches():
+    """The shard's good texts in order, in lists of at most _BATCH_DOCS docs / ~_BATCH_CHARS."""
+    batch, chars = [], 0
     for d in range(lo, hi):
       try:
         text = source[d]
@@ -182,7 +252,17 @@ def _write_shard(index: int) -> dict[str, Any]:
           raise
         skipped.append(str(e))
         continue
-      yield tokenizer.encode_document(text, add_bos=s["add_bos"], add_eos=s["add_eos"])
+      batch.append(text)
+      chars += len(text)
+      if len(batch) == _BATCH_DOCS or chars >= _BATCH_CHARS:
+        yield batch
+        batch, chars = [], 0
+    if batch:
+      yield batch
+
+  def docs():
+    for batch in batches():
+      yield from tokenizer.encode_documents(batch, add_bos=s["add_bos"], add_eos=s["add_eos"])
 
   name = shard_name(index, s["num_shards"])
   num_docs, num_tokens = write_token_shard(os.path.join(s["output"], name), docs(), s["dtype"])
@@ -201,10 +281,13 @@ def _pool_context():
   return multiprocessing.get_context("spawn")
 
 
-def _run_shards(init_args: tuple, num_shards: int, num_workers: int):
+def _run_shards(init_args: tuple, num_shards: int, num_workers: int, threads: int):
   """Yields the shard entries in shard order as they finish."""
   if num_workers == 1:
     # In-process: no worker start-up, and tracebacks point at the failing document directly.
+    # The tokenizer's threads are left at the library's default (one per CPU, this plan's count
+    # for one process): rayon's pool may already exist here, and the caller's environment is
+    # not prepare's to change.
     _init_worker(*init_args)
     try:
       for i in range(num_shards):
@@ -215,7 +298,8 @@ def _run_shards(init_args: tuple, num_shards: int, num_workers: int):
   # Not multiprocessing.Pool: it replaces a worker that dies (OOM-killed, or failing at start-up)
   # and waits forever for the lost shard; the executor raises BrokenProcessPool instead.
   executor = concurrent.futures.ProcessPoolExecutor(
-      num_workers, mp_context=_pool_context(), initializer=_init_worker, initargs=init_args)
+      num_workers, mp_context=_pool_context(), initializer=_init_worker,
+      initargs=(*init_args, threads))
   try:
     futures = [executor.submit(_write_shard, i) for i in range(num_shards)]
     # In shard order: progress lines and manifest entries come in order, and contiguous
@@ -285,7 +369,9 @@ def prepare(input, *, format: str, tokenizer: str | Tokenizer, output: str,
     output: directory for the shards and `manifest.json`; created if missing.
     field: JSONL field or Parquet column holding the text.
     add_bos, add_eos: add BOS / EOS to every document (`Tokenizer.encode_document`).
-    num_workers: tokenizing processes; None: one per CPU. Never more than there are shards.
+    num_workers: tokenizing processes; None: one per CPU, or one for an input under 64 MiB (see
+      `worker_plan`, also for the HF tokenizer's threads). Never more than there are shards.
+      The output is the same for any number.
     docs_per_shard: documents per shard (the last shard holds the rest).
     on_bad_record: "fail" stops at the first bad record; "skip" leaves bad records out and
       counts them in the manifest's `skipped_records`.
@@ -298,7 +384,7 @@ def prepare(input, *, format: str, tokenizer: str | Tokenizer, output: str,
   """
   log = log or (lambda _: None)
   start = time.perf_counter()
-  max_workers = _check_args(format, on_bad_record, num_workers, docs_per_shard)
+  _check_args(format, on_bad_record, num_workers, docs_per_shard)
   output = _check_output(output, overwrite)
   tok = _load_tokenizer(tokenizer, add_bos, add_eos)
   tokenizer_spec = tok.name if isinstance(tokenizer, Tokenizer) else tokenizer
@@ -310,14 +396,17 @@ def prepare(input, *, format: str, tokenizer: str | Tokenizer, output: str,
     log(f"removed {removed} files of an earlier run from {output}")
 
   num_shards = math.ceil(len(source) / docs_per_shard)
-  workers = min(max_workers, num_shards)
-  log(f"prepare: {source.describe()} -> {num_shards} shards in {output}, {workers} workers, "
-      f"tokenizer {tok.name}, tokens as {dtype}")
+  workers, threads = worker_plan(tok, num_workers, num_shards,
+                                 _input_bytes(source, _SMALL_INPUT_BYTES))
+  per_worker = (f" ({threads} tokenizer thread{'s' if threads > 1 else ''} each)"
+                if tok.batch_threads else "")
+  log(f"prepare: {source.describe()} -> {num_shards} shards in {output}, {workers} workers"
+      f"{per_worker}, tokenizer {tok.name}, tokens as {dtype}")
   init_args = (source, tok, add_bos, add_eos, on_bad_record == "skip", output, docs_per_shard,
                num_shards, dtype)
   shards, skip_reasons = [], list(getattr(source, "skip_reasons", []))
   skipped = getattr(source, "skipped", 0)  # JSONL skips bad lines while indexing
-  results = _run_shards(init_args, num_shards, workers)
+  results = _run_shards(init_args, num_shards, workers, threads)
   try:
     for entry in results:
       skipped += entry.pop("skipped")
@@ -406,7 +495,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--no_add_eos", dest="add_eos", action="store_false")
   p.set_defaults(add_bos=False, add_eos=True)
   p.add_argument("--num_workers", type=int, default=None,
-                 help="tokenizing processes (default: one per CPU)")
+                 help="tokenizing processes (default: one per CPU; one for an input under "
+                      "64 MiB)")
   p.add_argument("--docs_per_shard", type=int, default=10000)
   p.add_argument("--on_bad_record", choices=ON_BAD_RECORD, default="fail")
   p.add_argument("--overwrite", action="store_true", help="replace a finished run in --output")

@@ -10,7 +10,9 @@
 Every tokenizer has the same members: `name`, `vocab_size` (max id + 1), `bos_id`/`eos_id`/
 `pad_id` (None when absent), `bos_token`/`eos_token` (their text, None when absent or when the
 kind has no text form for them), `chat_template`, and the methods `encode` (never adds special
-tokens), `decode` and `encode_document` (adds BOS/EOS per flags).
+tokens), `decode`, `encode_document` (adds BOS/EOS per flags) and `encode_documents` (the same
+for a batch of texts, which the HF kind encodes on several threads at once; `batch_threads` says
+whether a kind does).
 
 Tokenizers pickle (grain pickles the map functions that hold one into its worker processes). The
 library objects are pickled as their serialized content rather than as a path to reload, so a
@@ -56,6 +58,9 @@ class Tokenizer(abc.ABC):
   bos_token: str | None = None
   eos_token: str | None = None
   chat_template: str | None = None
+  # True when `encode_documents` runs on threads of the tokenizer library (Rust's rayon pool for
+  # HF): prepare then sizes worker processes x threads to the CPUs instead of stacking them.
+  batch_threads: bool = False
 
   @abc.abstractmethod
   def encode(self, text: str) -> np.ndarray:
@@ -68,9 +73,22 @@ class Tokenizer(abc.ABC):
 
   def encode_document(self, text: str, *, add_bos: bool, add_eos: bool) -> np.ndarray:
     """int32 ids of `text` with BOS in front and EOS behind, each when its flag is set."""
+    bos, eos = self._specials(add_bos, add_eos)
+    # int32 parts: an empty list would join as float64 and send every id through float and back.
+    parts = [np.array(bos, np.int32), self.encode(text), np.array(eos, np.int32)]
+    return np.concatenate(parts).astype(np.int32, copy=False)
+
+  def encode_documents(self, texts: Sequence[str], *, add_bos: bool,
+                       add_eos: bool) -> list[np.ndarray]:
+    """`encode_document` of each text, in order; kinds that can encode a batch faster override
+    this with identical results."""
+    return [self.encode_document(t, add_bos=add_bos, add_eos=add_eos) for t in texts]
+
+  def _specials(self, add_bos: bool, add_eos: bool) -> tuple[list[int], list[int]]:
+    """([BOS] or [], [EOS] or []) as the flags ask; ConfigError when a flagged one is absent."""
     bos = [self._special_id("BOS", self.bos_id, "add_bos")] if add_bos else []
     eos = [self._special_id("EOS", self.eos_id, "add_eos")] if add_eos else []
-    return np.concatenate([bos, self.encode(text), eos]).astype(np.int32)
+    return bos, eos
 
   def _special_id(self, what: str, token_id: int | None, flag: str) -> int:
     if token_id is None:
@@ -103,6 +121,32 @@ class ByteTokenizer(Tokenizer):
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
+  def encode_documents(self, texts: Sequence[str], *, add_bos: bool,
+                       add_eos: bool) -> list[np.ndarray]:
+    """`encode_document` of each text, as views into one int32 array filled from the batch's
+    joined bytes: numpy's per-call overhead is paid per batch rather than per text, which
+    tokenizes short texts ~3x faster."""
+    bos, eos = self._specials(add_bos, add_eos)
+    data = [t.encode("utf-8") for t in texts]
+    if not data:
+      return []
+    sizes = np.fromiter(map(len, data), np.int64, len(data)) + len(bos) + len(eos)
+    ends = np.cumsum(sizes)
+    out = np.empty(int(ends[-1]), np.int32)
+    flat = np.frombuffer(b"".join(data), dtype=np.uint8)
+    if bos or eos:
+      is_text = np.ones(len(out), bool)
+      if bos:
+        is_text[ends - sizes] = False
+        out[ends - sizes] = bos[0]
+      if eos:
+        is_text[ends - 1] = False
+        out[ends - 1] = eos[0]
+      out[is_text] = flat
+    else:
+      out[:] = flat
+    return np.split(out, ends[:-1])
+
   def decode(self, ids: Iterable[int]) -> str:
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     # Model output may cut a multi-byte character; "replace" keeps decoding usable for samples.
@@ -121,6 +165,13 @@ class HFTokenizer(Tokenizer):
   Added special tokens written in the text (e.g. "<|eot_id|>" from a chat template) encode to
   their ids, as in `transformers`; `encode` only never *adds* specials.
   """
+
+  @property
+  def batch_threads(self) -> bool:
+    # TOKENIZERS_PARALLELISM set to a false value (the library's own spelling of it) makes the
+    # library encode batches on the calling thread alone.
+    value = os.environ.get("TOKENIZERS_PARALLELISM")
+    return value is None or value.lower() not in ("", "off", "false", "f", "no", "n", "0")
 
   def __init__(self, path: str):
     import tokenizers  # pylint: disable=import-outside-toplevel
@@ -174,6 +225,21 @@ class HFTokenizer(Tokenizer):
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+  def encode_documents(self, texts: Sequence[str], *, add_bos: bool,
+                       add_eos: bool) -> list[np.ndarray]:
+    """`encode_document` of each text, encoded by the library as one batch: in parallel on its
+    rayon thread pool (RAYON_NUM_THREADS threads, default one per CPU; none when
+    TOKENIZERS_PARALLELISM is false), with the GIL released while it runs."""
+    bos, eos = self._specials(add_bos, add_eos)
+    if self._tok.padding is not None:
+      # The library pads a batch to its longest text, a text alone only to a fixed length:
+      # encoding text by text keeps `encode_document`'s ids, whatever the padding settings.
+      return super().encode_documents(texts, add_bos=add_bos, add_eos=add_eos)
+    # The fast variant skips only the character offsets, which are not needed here; ids are the
+    # same. add_special_tokens=False, as in `encode`: no post-processor template.
+    encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
+    return [np.array(bos + e.ids + eos, dtype=np.int32) for e in encodings]
 
   def decode(self, ids: Iterable[int]) -> str:
     return self._tok.decode(self._in_vocab(ids), skip_special_tokens=True)
