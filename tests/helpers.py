@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxtrain.config import default_config
 from jaxtrain.mesh import make_mesh
+from tests.conftest import FAST_XLA_FLAG
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,12 +72,11 @@ def main_command(*args):
 
 def main_env(devices: int | None = None, env: dict | None = None) -> dict:
   """The environment of a CLI run: this process's (so the session's compilation cache in
-  conftest.py carries over), on CPU, with `devices` emulated CPU devices when given (else no
-  XLA_FLAGS at all), and `env` on top."""
-  run_env = dict(os.environ, JAX_PLATFORMS="cpu")
-  run_env.pop("XLA_FLAGS", None)
+  conftest.py carries over), on CPU, with the suite's fast XLA flag, `devices` emulated CPU
+  devices when given, and `env` on top."""
+  run_env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_XLA_FLAG)
   if devices is not None:
-    run_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    run_env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
   run_env.update(env or {})
   return run_env
 

@@ -37,7 +37,7 @@ def test_short_run_loss_falls_and_writes_metrics(tmp_path):
     for key in ("step", "loss", "learning_rate", "grad_norm", "tokens_per_sec", "mfu"):
       assert key in r, key
   assert train[-1]["loss"] < train[0]["loss"] - 0.5
-  assert evals[-1]["eval_loss"] < 3.0  # below the byte-unigram entropy (3.25 nats)
+  assert evals[-1]["eval_loss"] < 3.15  # below the byte-unigram entropy (3.25 nats)
   assert train[-1]["tokens_per_sec"] > 0 and 0 < train[-1]["mfu"] < 1
   out = proc.stdout
   assert "parameters" in out and "FLOPs per token" in out and "packing efficiency" in out

@@ -20,6 +20,7 @@ from jaxtrain.config import ConfigError
 from jaxtrain.config_checks import validate
 from jaxtrain.data import shards
 from jaxtrain.mesh import batch_rows_by_process, make_mesh
+from tests.conftest import FAST_XLA_FLAG
 from tests.helpers import REPO, assert_one_line_config_error, main_command, small_config
 from tests.test_data import assert_batches_equal, take
 from tests.test_data import small_config as small_data_config
@@ -255,7 +256,7 @@ def test_checkpoints_of_grains_own_handler_still_restore(tmp_path):
 
 # Compile time dominates these runs on CPU; XLA's backend optimizations halve it and do not
 # change the losses beyond float rounding.
-FAST_XLA = "--xla_backend_optimization_level=0"
+FAST_XLA = FAST_XLA_FLAG
 STEPS, SPLIT = 6, 3
 # The default data config: one global stream, the same batches for any process count.
 SPLIT_MESH = [*SMALL, "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
