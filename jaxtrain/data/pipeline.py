@@ -1,18 +1,22 @@
-"""Deterministic Grain input pipeline: documents -> pieces -> shuffle -> pack -> batch.
+"""Deterministic input pipeline: documents -> pieces -> shuffle -> pack -> batch.
 
-Stages, each replaceable on its own when real tokenized corpora arrive:
-  1. source: random access to documents as token arrays (`data.source` picks one),
+Stages:
+  1. source: random access to documents (`data.source` picks one, `data.mixture` several),
   2. pieces: every document cut into pieces of at most T+1 tokens (T = train.seq_len), so each
      piece gives at most T (input, target) pairs and every target token is predicted once,
-  3. one data shard's slice of the pieces (shard s of S: pieces s::S; a shard is a process
-     unless data.num_shards fixes S, see shards.py), shuffled by `data.seed`, reshuffled every
-     epoch,
-  4. first-fit packing of pieces into rows of T (grain), which keeps each piece whole; the
-     packer emits rows in shuffled groups of `_NUM_PACKING_BINS`, so epoch edges blur by up to
-     that many rows,
-  5. batching to [B_local, T] and the trainer's batch format (`BATCH_KEYS`).
+  3. shuffle, pack the pieces whole into rows of T, batch.
 
-Batch format, every array [B_local, T] with B_local = train.global_batch_size // S:
+Two ways through them (`reads_global_stream` says which):
+  - Sources whose document lengths are known (`prepared` corpora, the stdlib demo):
+    `global_stream.GlobalBatchStream`. Pieces are shuffled across the whole corpus, packed
+    block by block (first-fit decreasing) and every global batch is planned from the lengths
+    alone, so it is the same for any number of processes; each process reads only its rows.
+  - Raw text (tokenized as it is read), or `data.num_shards` > 0: grain. One data shard's
+    documents or pieces (shard s of S: s::S; a shard is a process unless data.num_shards fixes
+    S, see shards.py), shuffled by `data.seed` and reshuffled every epoch, first-fit packed by
+    grain (rows emitted in shuffled groups of `_NUM_PACKING_BINS`), batched to B/S rows.
+
+Batch format, every array [B_local, T] (B_local: the rows this caller loads):
   inputs       int32    token ids
   targets      int32    next token ids (for a piece p: inputs = p[:-1], targets = p[1:])
   loss_mask    float32  1.0 where the target is real, 0.0 on padding
