@@ -37,6 +37,7 @@ import numpy as np
 
 from jaxtrain.config import ConfigError
 from jaxtrain.data import global_stream, packing, sources, stdlib_corpus, text_docs
+from jaxtrain.data.sources import prepared as prepared_source
 from jaxtrain.data import tokenizer as tokenizer_lib
 
 
@@ -79,9 +80,11 @@ def _load_prepared(config):
 
 
 def _prepared_vocab(config) -> int:
-  """The vocab size of the tokenizer the corpus was prepared with (from its manifest)."""
+  """The vocab size of the tokenizer the corpus was prepared with: its manifest alone (the
+  corpus's index files are read once, when the sources load)."""
   _require_train_paths(config)
-  return sources.PreparedCorpus(config.data.train_paths, what="train_paths").vocab_size
+  _, manifest = prepared_source.load_manifest(config.data.train_paths, "data.train_paths: ")
+  return int(manifest.get("vocab_size", 0))
 
 
 def _arrayrecord_retired(config):

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from jaxtrain.data import packing
+
 EOS_ID = 256
 # The smallest model vocab that covers the corpus: 256 byte values plus EOS.
 BYTE_VOCAB_SIZE = 257
@@ -115,10 +117,9 @@ class ByteDocumentSource:
 
   def read_pieces(self, pieces_Q3: np.ndarray) -> np.ndarray:
     """The tokens of many pieces (doc, start, stop) concatenated, int32, in one gather."""
-    from jaxtrain.data.packing import ranges  # pylint: disable=import-outside-toplevel
     doc_Q, start_Q, stop_Q = np.asarray(pieces_Q3, np.int64).T
     sizes_Q = stop_Q - start_Q
-    position = ranges(start_Q, stop_Q)  # within its document
+    position = packing.ranges(start_Q, stop_Q)  # within its document
     doc = np.repeat(doc_Q, sizes_Q)
     last = self._offsets_N1[doc + 1] - self._offsets_N1[doc]  # the EOS position
     body = self._bytes[np.minimum(self._offsets_N1[doc] + position, len(self._bytes) - 1)]
