@@ -38,7 +38,6 @@ STATE_VERSION = 1
 
 @dataclasses.dataclass
 class _Block:
-  index: int
   pieces_K3: np.ndarray  # (doc, start, stop) per slot
   component_K: np.ndarray  # the mixture component of each slot
   row_starts_R1: np.ndarray
@@ -130,7 +129,7 @@ class GlobalBatchStream:
       sizes = np.diff(row_starts)[order]
       row_pieces = row_pieces[packing.ranges(row_starts[order], row_starts[order + 1])]
       row_starts = np.concatenate([[0], np.cumsum(sizes)])
-    return _Block(b, pieces_K3, component_K, row_starts, row_pieces)
+    return _Block(pieces_K3, component_K, row_starts, row_pieces)
 
   def _epoch_order(self, c: int, cursor: int, n: int) -> np.ndarray:
     """Piece numbers of component c at stream positions [cursor, cursor + n)."""
