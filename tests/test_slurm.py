@@ -23,7 +23,7 @@ from tests import slurm_cluster
 from tests.helpers import REPO, main_command, main_env
 from tests.test_end_to_end import SMALL
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
+pytestmark = pytest.mark.slow
 
 STEPS = 12
 MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
@@ -142,6 +142,7 @@ def test_sbatch_trains_like_one_process_stops_on_term_and_resumes_bitwise(cluste
   assert 2 <= stop_step < STEPS - 3, stopped
   assert _saved_steps(workdir)[-1] == stop_step
   assert max(_losses(workdir)[0]) == stop_step  # no task ran past the common step
+  print(f"scancel --signal=TERM: both tasks stopped after step {stop_step}, saved, exit 0")
 
   # 3. The same command again resumes there; kill -9 of task 1 a few steps later ends the job
   #    at once (srun --kill-on-bad-exit, not the 60 s heartbeat timeout).
@@ -158,6 +159,8 @@ def test_sbatch_trains_like_one_process_stops_on_term_and_resumes_bitwise(cluste
   assert fields["JobState"] == "FAILED" and fields["ExitCode"] != "0:0", (fields, log[-3000:])
   assert ended_after < 30, (ended_after, log[-3000:])
   assert "task 1: Killed" in log, log[-3000:]
+  print(f"kill -9 of task 1 after step {max(_losses(workdir)[0])}: job {fields['JobState']} "
+        f"{fields['ExitCode']} {ended_after:.1f} s later")
 
   # 4. The next submission resumes from the last complete checkpoint (a checkpoint every step:
   #    the kill likely came while one was being written, which must not be taken) and ends
@@ -171,3 +174,5 @@ def test_sbatch_trains_like_one_process_stops_on_term_and_resumes_bitwise(cluste
   # last checkpoint's step was saved but before its metrics were written: that step alone may
   # be missing from metrics.jsonl.
   _assert_bitwise(workdir, uninterrupted, may_be_unlogged=(complete[-1],))
+  print(f"resubmitted: resumed from step {complete[-1]}; steps 1-{STEPS} equal the "
+        f"uninterrupted job's bitwise")
