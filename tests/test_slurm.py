@@ -25,7 +25,7 @@ from tests.test_end_to_end import SMALL
 
 pytestmark = pytest.mark.slow
 
-STEPS = 12
+STEPS = 16
 MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
 ARGS = ["--config=configs/tiny.py", *SMALL, *MESH, "--config.train.log_every=1",
         f"--config.train.steps={STEPS}", "--config.train.eval_every=4",
@@ -139,7 +139,7 @@ def test_sbatch_trains_like_one_process_stops_on_term_and_resumes_bitwise(cluste
   assert len(stopped) == 1, log[-4000:]  # process 0 reports it, for both tasks
   assert "on the preemption notice" in stopped[0]
   stop_step = int(stopped[0].split()[3])
-  assert 2 <= stop_step < STEPS - 3, stopped
+  assert 2 <= stop_step <= STEPS - 4, stopped  # room for the kill below
   assert _saved_steps(workdir)[-1] == stop_step
   assert max(_losses(workdir)[0]) == stop_step  # no task ran past the common step
   print(f"scancel --signal=TERM: both tasks stopped after step {stop_step}, saved, exit 0")
