@@ -177,7 +177,7 @@ def test_gke_jobset_refuses_bad_values_in_one_line(accelerator, values, words):
 
 # --- launch/slurm.sbatch outside SLURM: the per-task GPU split and its refusals ---------------
 
-def _sbatch_script(tmp_path, env):
+def _sbatch_script(tmp_path, env, script="launch/slurm.sbatch"):
   """Runs launch/slurm.sbatch with a stand-in `srun` that starts the task command once per task
   of this node (SLURM_LOCALID 0..k-1), and a stand-in Python that prints what each task sees."""
   bin_dir = tmp_path / "bin"
@@ -195,7 +195,7 @@ def _sbatch_script(tmp_path, env):
     (bin_dir / f).chmod(0o755)
   base = {k: v for k, v in os.environ.items()
           if not k.startswith(("SLURM_", "JAX", "XLA_FLAGS"))}
-  return subprocess.run(["bash", "launch/slurm.sbatch", "--config=configs/tiny.py"], cwd=REPO,
+  return subprocess.run(["bash", script, "--config=configs/tiny.py"], cwd=REPO,
                         env={**base, "PATH": f"{bin_dir}:{base['PATH']}",
                              "PYTHON": str(bin_dir / "python"), "SLURM_JOB_ID": "7", **env},
                         capture_output=True, text=True, timeout=60, check=False)
@@ -209,9 +209,10 @@ def test_slurm_sbatch_splits_each_nodes_gpus_over_its_tasks(tmp_path):
   assert proc.stdout.splitlines() == [
       "task 0: ids=0,1,2,3 platforms= flags= argv=-m jaxtrain.main --config=configs/tiny.py",
       "task 1: ids=4,5,6,7 platforms= flags= argv=-m jaxtrain.main --config=configs/tiny.py"]
-  # One task per node (the default): it drives all of the node's GPUs.
+  # One task per node (the default): it drives all of the node's GPUs. The script's former
+  # name still works.
   proc = _sbatch_script(tmp_path, {"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "2",
-                                   "SLURM_GPUS_ON_NODE": "8"})
+                                   "SLURM_GPUS_ON_NODE": "8"}, script="launch/slurm_gpu.sbatch")
   assert proc.stdout.startswith("task 0: ids=0,1,2,3,4,5,6,7 "), proc.stdout + proc.stderr
 
 

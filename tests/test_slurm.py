@@ -152,6 +152,7 @@ def test_sbatch_trains_like_one_process_stops_on_term_and_resumes_bitwise(cluste
   assert sorted(victim) == [0, 1], victim
   os.kill(victim[1], signal.SIGKILL)
   killed_at = time.time()
+  in_flight = [n for n in os.listdir(workdir / "checkpoints") if not n.isdigit()]
   fields = cluster.wait(job, 60)
   ended_after = time.time() - killed_at
   log = _log(workdir)
@@ -160,7 +161,7 @@ def test_sbatch_trains_like_one_process_stops_on_term_and_resumes_bitwise(cluste
   assert ended_after < 30, (ended_after, log[-3000:])
   assert "task 1: Killed" in log, log[-3000:]
   print(f"kill -9 of task 1 after step {max(_losses(workdir)[0])}: job {fields['JobState']} "
-        f"{fields['ExitCode']} {ended_after:.1f} s later")
+        f"{fields['ExitCode']} {ended_after:.1f} s later; being written then: {in_flight}")
 
   # 4. The next submission resumes from the last complete checkpoint (a checkpoint every step:
   #    the kill likely came while one was being written, which must not be taken) and ends
