@@ -139,7 +139,8 @@ class LocalSlurmCluster:
 
   @staticmethod
   def task_pids(job_id: int, marker: str = "") -> dict[int, int]:
-    """{SLURM_PROCID: pid} of the job's task processes whose command line contains `marker`."""
+    """{SLURM_PROCID: pid} of the job's task processes whose command line contains `marker`
+    (not srun or a shell, whose command lines name the task's too)."""
     found = {}
     for entry in Path("/proc").iterdir():
       if not entry.name.isdigit():
@@ -151,9 +152,9 @@ class LocalSlurmCluster:
         cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
       except OSError:
         continue  # gone, or not ours to read
+      program = os.path.basename(cmdline.split(" ", 1)[0])
       if (environ.get("SLURM_JOB_ID") == str(job_id) and "SLURM_PROCID" in environ
-          and environ.get("SLURM_STEP_ID", "batch") not in ("batch", "extern")
-          and marker in cmdline):
+          and program not in ("srun", "bash", "sh") and marker in cmdline):
         found[int(environ["SLURM_PROCID"])] = int(entry.name)
     return found
 

@@ -6,7 +6,9 @@ that matter: process count, coordinator, image, command line, restart policy."""
 import os
 import shlex
 import shutil
+import signal
 import subprocess
+import time
 
 import pytest
 import yaml
@@ -241,3 +243,37 @@ def test_slurm_sbatch_refuses_layouts_it_cannot_run(tmp_path, env, words):
   assert proc.stderr.startswith("slurm.sbatch: error: ") and proc.stderr.count("\n") == 1
   for word in words:
     assert word in proc.stderr, (word, proc.stderr)
+
+
+def test_slurm_sbatch_passes_a_sigterm_of_the_batch_shell_to_the_tasks(tmp_path):
+  """`--signal=B:TERM@N` or `scancel --batch --signal=TERM` signal only the batch shell: it asks
+  SLURM to signal every task (`scancel --signal=TERM JOBID`), keeps waiting while they save,
+  and exits with srun's status."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  calls = tmp_path / "scancel_calls"
+  # srun stands in for the tasks: it ends (status 0) once scancel has signalled them.
+  (bin_dir / "srun").write_text(
+      "#!/usr/bin/env bash\n"
+      f"touch {tmp_path}/srun_started\n"
+      f"while [[ ! -e {calls} ]]; do sleep 0.05; done\nsleep 0.3\nexit 0\n")
+  (bin_dir / "scancel").write_text(f"#!/usr/bin/env bash\necho \"$*\" >> {calls}\n")
+  (bin_dir / "python").write_text("#!/usr/bin/env bash\n")
+  for f in ("srun", "scancel", "python"):
+    (bin_dir / f).chmod(0o755)
+  base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX"))}
+  proc = subprocess.Popen(
+      ["bash", "launch/slurm.sbatch", "--config=configs/tiny.py"], cwd=REPO,
+      env={**base, "PATH": f"{bin_dir}:{base['PATH']}", "PYTHON": str(bin_dir / "python"),
+           "SLURM_JOB_ID": "41", "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "2",
+           "JAXTRAIN_CPU_DEVICES": "4"},
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 30
+  while not (tmp_path / "srun_started").exists():
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=30)
+  assert proc.returncode == 0, err
+  assert calls.read_text() == "--signal=TERM 41\n"
+  assert "SIGTERM: passing it to every task" in err
