@@ -47,7 +47,8 @@ def _free_port() -> int:
 
 
 class LocalSlurmCluster:
-  """One node, this host, `cpus` CPUs (default: this machine's, at least 2), one partition."""
+  """One node (this host, named `localhost`), `cpus` CPUs (default: this machine's, at least 2),
+  one partition."""
 
   def __init__(self, root: os.PathLike, cpus: int | None = None):
     self.root = Path(root).resolve()
@@ -76,7 +77,7 @@ class LocalSlurmCluster:
       self._wait_for(lambda: self._munge_socket.exists(), timeout_s, "munged's socket")
       self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
       self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf)])
-      self._wait_for(self._node_idle, timeout_s, f"node {self.node} to be idle")
+      self._wait_for(self._node_idle, timeout_s, "the node to be idle")
     except BaseException:
       self.stop()
       raise
@@ -196,8 +197,11 @@ class LocalSlurmCluster:
         "FirstJobId": random.randrange(1000, 1_000_000), "KillWait": 10,
     }
     lines = [f"{k}={v}" for k, v in settings.items()]
-    lines += [f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN",
-              f"PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP"]
+    # The node is named `localhost` (slurmd finds it by NodeHostname): JAX's SLURM detection
+    # takes the coordinator's host from the node list, and that name resolves on any machine.
+    lines += [f"NodeName=localhost NodeHostname={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} "
+              f"State=UNKNOWN",
+              "PartitionName=test Nodes=localhost Default=YES MaxTime=INFINITE State=UP"]
     self.conf.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
   def _spawn(self, name: str, argv: list[str]) -> None:
