@@ -85,7 +85,7 @@ def _wait_for_step(cluster, job, workdir, step, timeout_s=JOB_TIMEOUT_S):
   while time.time() < deadline:
     if os.path.exists(path) and step in _losses(workdir)[0]:
       return
-    if cluster.job(job).get("JobState") not in ("PENDING", "CONFIGURING", "RUNNING"):
+    if cluster.ended(cluster.job(job)):
       break
     time.sleep(0.2)
   pytest.fail(f"job {job} did not reach step {step}: {cluster.job(job)}\n"
