@@ -87,10 +87,15 @@ needs_envsubst = pytest.mark.skipif(shutil.which("envsubst") is None,
                                     reason="envsubst not installed (apt-get install gettext-base)")
 
 
-def _jobset(accelerator, values):
+def _render(accelerator, values):
+  """launch/gke_jobset.sh ACCELERATOR with exactly `values` of its variables set."""
   env = {k: v for k, v in os.environ.items() if k not in {**TPU, **GPU}}
-  proc = subprocess.run(["launch/gke_jobset.sh", accelerator], cwd=REPO, env={**env, **values},
+  return subprocess.run(["launch/gke_jobset.sh", accelerator], cwd=REPO, env={**env, **values},
                         capture_output=True, text=True, timeout=60, check=False)
+
+
+def _jobset(accelerator, values):
+  proc = _render(accelerator, values)
   assert proc.returncode == 0, proc.stderr
   docs = list(yaml.safe_load_all(proc.stdout))
   assert len(docs) == 1, proc.stdout  # just the JobSet for this accelerator
@@ -168,9 +173,7 @@ def test_gke_tpu_jobset_one_job_per_slice_joined_by_megascale():
     ("gpu", {**GPU, "ARGS": "--a\n--b"}, ["ARGS", "one line"]),
 ])
 def test_gke_jobset_refuses_bad_values_in_one_line(accelerator, values, words):
-  env = {k: v for k, v in os.environ.items() if k not in {**TPU, **GPU}}
-  proc = subprocess.run(["launch/gke_jobset.sh", accelerator], cwd=REPO, env={**env, **values},
-                        capture_output=True, text=True, timeout=60, check=False)
+  proc = _render(accelerator, values)
   assert proc.returncode == 2 and proc.stdout == "", proc.stdout
   assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("gke_jobset: error: ")
   for word in words:

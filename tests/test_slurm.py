@@ -54,11 +54,12 @@ def _submit(cluster, workdir):
                         env=env, cwd=REPO)
 
 
-def _finish(cluster, job, workdir, state="COMPLETED", exit_code="0:0"):
+def _finish(cluster, job, workdir):
+  """Waits for the job, which must end COMPLETED with exit code 0; returns its log."""
   fields = cluster.wait(job, JOB_TIMEOUT_S)
   log = _log(workdir)
-  assert (fields.get("JobState"), fields.get("ExitCode")) == (state, exit_code), (fields,
-                                                                                  log[-4000:])
+  assert (fields.get("JobState"), fields.get("ExitCode")) == ("COMPLETED", "0:0"), (fields,
+                                                                                    log[-4000:])
   return log
 
 
