@@ -19,11 +19,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_compilation_cache(tmp_path_factory):
-  """The CLI runs the tests start as subprocesses share JAX's persistent compilation cache, so
-  a program they have in common (the tiny config's train step, its eval step, the init) is
-  compiled once per test session rather than once per run: a resumed run, a rerun or a second
-  fine-tuning stage then starts in seconds. This process's own JAX was configured at import
-  and keeps compiling in memory."""
+  """The tests' runs, in subprocesses or in this process, share JAX's persistent compilation
+  cache, so a program they have in common (the tiny config's train step, its eval step, the
+  init) is compiled once per test session rather than once per run: a resumed run, a rerun or
+  a second fine-tuning stage then starts in seconds."""
   root = tmp_path_factory.getbasetemp()
   if os.environ.get("PYTEST_XDIST_WORKER"):
     root = root.parent  # shared by the xdist workers, like the subprocesses they start
@@ -31,4 +30,14 @@ def shared_compilation_cache(tmp_path_factory):
   cache.mkdir(exist_ok=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache)
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  # This process too: in-process CLI runs (helpers.run_cli) and parity tests compile the same
+  # small programs as each other and as the subprocesses.
+  jax.config.update("jax_compilation_cache_dir", str(cache))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   return cache
+
+
+def pytest_collection_modifyitems(items):
+  """The longest tests (marked slow) start first, so that no minute-long test is left to run
+  alone on one worker at the end; otherwise collection order."""
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)

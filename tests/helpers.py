@@ -1,10 +1,15 @@
 """Small shared builders for tests: configs, meshes, synthetic packed batches, and the one
 harness the tests start `python -m jaxtrain.main` runs with."""
 
+import contextlib
+import dataclasses
+import io
 import json
 import os
 import subprocess
 import sys
+import traceback
+from unittest import mock
 
 import jax
 import numpy as np
@@ -89,29 +94,115 @@ def run_main(*args, devices: int | None = None, env: dict | None = None, timeout
                         capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def train_losses(config, shape, steps: int = 3, docs_per_row: int = 3) -> list[float]:
-  """Float losses of `steps` train steps of `config` on the mesh `shape` (see mesh_of), in this
-  process, on packed synthetic batches (a different one each step, the same on every mesh)."""
+@dataclasses.dataclass
+class CliResult:
+  """What a CLI run left: its exit code and what it printed (the fields of CompletedProcess
+  that the tests read)."""
+  returncode: int
+  stdout: str
+  stderr: str
+
+
+@contextlib.contextmanager
+def visible_devices(n: int | None):
+  """The first `n` of this process's devices are all JAX shows (None: all of them), as a
+  process started with `n` emulated devices would see: jaxtrain asks `jax.devices()` and
+  friends for the mesh, the config checks and the run table."""
+  if n is None:
+    yield
+    return
+  import jax  # pylint: disable=import-outside-toplevel
+  devices = jax.devices()[:n]
+  assert len(devices) == n, f"the test process has {len(jax.devices())} devices, not {n}"
+  with mock.patch.object(jax, "devices", lambda *_: list(devices)), \
+       mock.patch.object(jax, "local_devices", lambda *_, **__: list(devices)), \
+       mock.patch.object(jax, "device_count", lambda *_: n), \
+       mock.patch.object(jax, "local_device_count", lambda *_: n):
+    yield
+
+
+def run_cli(*args, devices: int | None = None, cwd=REPO) -> CliResult:
+  """Runs `python -m jaxtrain.main ARGS` in this process: the same flag parsing, `main` and
+  exit codes, without a new interpreter's imports and compiles (programs it shares with other
+  tests come from the session's compilation cache). `devices`: how many of this process's 8
+  CPU devices the run sees (default 1, like a CLI process without emulated devices).
+
+  For what does not need a process of its own; signals, several processes and the re-exec
+  with huge pages need `run_main`."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from jaxtrain import main as cli  # pylint: disable=import-outside-toplevel
+  from jaxtrain.cli_flags import parse_flags  # pylint: disable=import-outside-toplevel
+  argv = ["jaxtrain.main", *map(str, args)]
+  out, err = io.StringIO(), io.StringIO()
+  code = 0
+  flags.FLAGS.unparse_flags()
+  with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+       visible_devices(1 if devices is None else devices), \
+       mock.patch.object(sys, "argv", argv):  # ml_collections reads overrides from sys.argv
+    try:
+      cli.main(parse_flags(argv))
+    except SystemExit as e:
+      code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception:  # pylint: disable=broad-except  # as an uncaught error ends a process
+      traceback.print_exc()
+      code = 1
+    finally:
+      flags.FLAGS.unparse_flags()
+      for name in [n for n in flags.FLAGS if n.startswith("config.")]:
+        delattr(flags.FLAGS, name)  # ml_collections defines one flag per override per parse
+  return CliResult(code, out.getvalue(), err.getvalue())
+
+
+def train_curves(config, shape, steps: int = 3, docs_per_row: int = 3) -> dict[str, list[float]]:
+  """{"loss": [...], "grad_norm": [...]} of `steps` train steps of `config` on the mesh `shape`
+  (see mesh_of), in this process, on packed synthetic batches (a different one each step, the
+  same on every mesh). Parity tests compare both: under Adam a gradient scaled by a constant
+  (a doubled or missing reduction over a mesh axis) barely moves the losses, never the norm."""
   from jaxtrain import train_setup, trainer  # pylint: disable=import-outside-toplevel
   setup = train_setup.build(config, mesh_of(shape))
   state = train_setup.init_state(setup, seed=0)
-  losses = []
+  curves = {"loss": [], "grad_norm": []}
   with jax.set_mesh(setup.mesh):
     for step in range(steps):
       batch = packed_batch(config.train.global_batch_size, config.train.seq_len,
                            config.model.vocab_size, seed=step, docs_per_row=docs_per_row)
       state, metrics = setup.train_step(state, trainer.to_global_batch(batch, setup.mesh))
-      losses.append(float(metrics["loss"]))
-  return losses
+      for key, values in curves.items():
+        values.append(float(metrics[key]))
+  return curves
+
+
+def train_losses(config, shape, steps: int = 3, docs_per_row: int = 3) -> list[float]:
+  """The losses of `train_curves`."""
+  return train_curves(config, shape, steps, docs_per_row)["loss"]
+
+
+def logged_curves(workdir, keys=("loss", "grad_norm")) -> dict[str, list[float]]:
+  """{key: values at every logged train step} from WORKDIR/metrics.jsonl."""
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    rows = [r for r in map(json.loads, f) if "loss" in r]
+  return {key: [r[key] for r in rows] for key in keys}
+
+
+def cli_curves(workdir, *args, devices: int | None = None) -> tuple[str, dict[str, list[float]]]:
+  """(stdout, logged_curves) of a `python -m jaxtrain.main ARGS --workdir=WORKDIR` run in this
+  process (run_cli) that must succeed."""
+  proc = run_cli(*args, f"--workdir={workdir}", devices=devices)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return proc.stdout, logged_curves(workdir)
 
 
 def cli_losses(workdir, *args, devices: int | None = None):
-  """(stdout, logged train losses) of a `python -m jaxtrain.main ARGS --workdir=WORKDIR` run
-  that must succeed."""
-  proc = run_main(*args, f"--workdir={workdir}", devices=devices)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    return proc.stdout, [r["loss"] for r in map(json.loads, f) if "loss" in r]
+  """(stdout, logged train losses) of `cli_curves`."""
+  out, curves = cli_curves(workdir, *args, devices=devices)
+  return out, curves["loss"]
+
+
+def assert_curves_close(actual: dict, expected: dict, rtol: float = 1e-5, atol: float = 0.0):
+  """Every curve of `expected` (loss, grad_norm, ...) equals `actual`'s within rtol/atol, at
+  every step."""
+  for key, want in expected.items():
+    np.testing.assert_allclose(actual[key], want, rtol=rtol, atol=atol, err_msg=key)
 
 
 def assert_one_line_config_error(config, num_devices: int, words, **validate_kwargs) -> str:
