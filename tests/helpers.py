@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import traceback
@@ -105,19 +106,34 @@ class CliResult:
 
 @contextlib.contextmanager
 def visible_devices(n: int | None):
-  """The first `n` of this process's devices are all JAX shows (None: all of them), as a
+  """The first `n` of this process's CPU devices are all JAX shows (None: all of them), as a
   process started with `n` emulated devices would see: jaxtrain asks `jax.devices()` and
-  friends for the mesh, the config checks and the run table."""
+  friends for the mesh, the config checks and the run table. Asking for another backend's
+  devices (`jax.local_devices(backend="gpu")`, as Pallas' Triton lowering does for the compute
+  capability of a deviceless GPU compile) fails as it does in a CPU-only process."""
   if n is None:
     yield
     return
   import jax  # pylint: disable=import-outside-toplevel
-  devices = jax.devices()[:n]
-  assert len(devices) == n, f"the test process has {len(jax.devices())} devices, not {n}"
-  with mock.patch.object(jax, "devices", lambda *_: list(devices)), \
-       mock.patch.object(jax, "local_devices", lambda *_, **__: list(devices)), \
-       mock.patch.object(jax, "device_count", lambda *_: n), \
-       mock.patch.object(jax, "local_device_count", lambda *_: n):
+  real_devices, real_local_devices = jax.devices, jax.local_devices
+  shown = jax.devices()[:n]
+  assert len(shown) == n, f"the test process has {len(jax.devices())} devices, not {n}"
+
+  def devices(backend=None):
+    return list(shown) if backend in (None, "cpu") else real_devices(backend)
+
+  def local_devices(process_index=None, backend=None, host_id=None):
+    if backend in (None, "cpu"):
+      return list(shown)
+    return real_local_devices(process_index, backend, host_id)
+
+  def count(backend=None):
+    return n if backend in (None, "cpu") else len(real_devices(backend))
+
+  with mock.patch.object(jax, "devices", devices), \
+       mock.patch.object(jax, "local_devices", local_devices), \
+       mock.patch.object(jax, "device_count", count), \
+       mock.patch.object(jax, "local_device_count", count):
     yield
 
 
@@ -136,6 +152,9 @@ def run_cli(*args, devices: int | None = None, cwd=REPO) -> CliResult:
   out, err = io.StringIO(), io.StringIO()
   code = 0
   flags.FLAGS.unparse_flags()
+  # ml_collections loads every config file as the module "config_config" and runs a new file's
+  # source inside the module it finds there: a file without get_config() would use the last one.
+  sys.modules.pop("config_config", None)
   with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
        visible_devices(1 if devices is None else devices), \
        mock.patch.object(sys, "argv", argv):  # ml_collections reads overrides from sys.argv
@@ -218,3 +237,244 @@ def assert_one_line_config_error(config, num_devices: int, words, **validate_kwa
   for word in words:
     assert word in message, (word, message)
   return message
+
+
+def run_entry(main, *args, devices: int | None = None, cwd=REPO) -> CliResult:
+  """Runs a command-line entry point `main(argv)` (argv without the program name, as
+  `jaxtrain.interop.hf.main` and `jaxtrain.data.prepare.main` take it) in this process, as
+  `python -m MODULE ARGS` would: its return value or SystemExit code is the exit code (None: 0),
+  an uncaught exception exit code 1 with the traceback in stderr; stdout and stderr captured.
+  `devices`: how many of this process's CPU devices it sees (default 1, see run_cli)."""
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+       visible_devices(1 if devices is None else devices):
+    try:
+      code = main([str(a) for a in args])
+    except SystemExit as e:
+      code = e.code
+    except Exception:  # pylint: disable=broad-except  # as an uncaught error ends a process
+      traceback.print_exc()
+      code = 1
+  code = 0 if code is None else code if isinstance(code, int) else 1
+  return CliResult(code, out.getvalue(), err.getvalue())
+
+
+_ABSL_CLI_FLAGS: dict = {}  # module name -> the absl FlagValues state that holds its flags
+
+
+@contextlib.contextmanager
+def absl_cli_module(name: str):
+  """Imports (once) and yields the absl CLI module `name`, its flags defined in absl's FLAGS
+  only while inside: each jaxtrain CLI defines its flags in the one global FLAGS, and two of
+  them cannot share a process (jaxtrain.generate_cli and jaxtrain.main both define --config).
+  Outside, FLAGS is as it was (jaxtrain.main's flags for run_cli); inside, it holds absl's own
+  flags and the module's, parsed afresh by each run. Import such a module only through this."""
+  import copy  # pylint: disable=import-outside-toplevel
+  import importlib  # pylint: disable=import-outside-toplevel
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  state = flags.FLAGS.__dict__
+  outside = dict(state)
+  inside = _ABSL_CLI_FLAGS.get(name)
+  if inside is None:
+    assert name not in sys.modules, f"{name} was imported outside absl_cli_module"
+    # absl's own flags (logging, app) only, in containers of their own.
+    inside = {k: ({m: list(v) for m, v in value.items()} if k.endswith(
+        ("__flags_by_module", "__flags_by_module_id", "__key_flags_by_module"))
+                  else copy.copy(value)) for k, value in outside.items()}
+    state.update(inside)
+    own = {f.name for m, fl in flags.FLAGS.flags_by_module_dict().items()
+           if m.startswith("absl.") for f in fl}
+    for flag_name in [n for n in flags.FLAGS if n not in own]:
+      delattr(flags.FLAGS, flag_name)
+    try:
+      importlib.import_module(name)
+    except BaseException:
+      state.update(outside)
+      raise
+  else:
+    state.update(inside)
+  try:
+    yield sys.modules[name]
+  finally:
+    _ABSL_CLI_FLAGS[name] = dict(state)
+    state.update(outside)
+
+
+def run_generate(*args, devices: int | None = None, cwd=REPO) -> CliResult:
+  """Runs `python -m jaxtrain.generate ARGS` in this process (run_entry; its flags held apart
+  by absl_cli_module). absl's verbosity and the root logger's handlers, which absl's app.run
+  and the CLI set, are restored afterwards."""
+  import logging  # pylint: disable=import-outside-toplevel
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+  verbosity, handlers = absl_logging.get_verbosity(), list(logging.root.handlers)
+  with absl_cli_module("jaxtrain.generate_cli") as generate_cli:
+    flags.FLAGS.unparse_flags()
+    try:
+      return run_entry(lambda argv: generate_cli.run(["jaxtrain.generate", *argv]), *args,
+                       devices=devices, cwd=cwd)
+    finally:
+      flags.FLAGS.unparse_flags()
+      absl_logging.set_verbosity(verbosity)
+      logging.root.handlers[:] = handlers
+
+
+# --- CLI runs of a small variant of configs/tiny.py -------------------------------------------
+
+# A smaller, faster variant of configs/tiny.py (same code path) for CLI runs.
+SMALL_TINY_ARGS = ["--config.model.num_layers=2", "--config.model.d_model=64",
+                   "--config.model.mlp_dim=128", "--config.model.num_heads=4",
+                   "--config.model.num_kv_heads=2", "--config.model.head_dim=16",
+                   "--config.train.seq_len=64", "--config.train.global_batch_size=8",
+                   "--config.train.eval_batches=2"]
+
+
+def metrics_records(workdir) -> list[dict]:
+  """Every record of WORKDIR/metrics.jsonl, in order."""
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+def run_tiny(workdir, *overrides, devices: int | None = None) -> tuple[CliResult, list[dict]]:
+  """(result, metrics_records) of `python -m jaxtrain.main --config=configs/tiny.py
+  --workdir=WORKDIR SMALL_TINY_ARGS OVERRIDES` run in this process (run_cli), which must
+  succeed."""
+  proc = run_cli("--config=configs/tiny.py", f"--workdir={workdir}", *SMALL_TINY_ARGS,
+                 *overrides, devices=devices)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return proc, metrics_records(workdir)
+
+
+# --- LoRA and DPO training configs and batches (shared by the LoRA and pipeline tests) --------
+
+def lora_config(quantize_base="none", objective="lm"):
+  """small_config with rank-4 adapters on q, v, o, gate and down (quant groups of 32), a high
+  learning rate without weight decay, and `objective` ("dpo": preference data)."""
+  c = small_config()
+  c.lora.rank, c.lora.alpha, c.lora.targets = 4, 8.0, "q,v,o,gate,down"
+  c.lora.quantize_base, c.lora.quant_group_size = quantize_base, 32
+  c.optim.learning_rate, c.optim.weight_decay = 1e-2, 0.0
+  c.train.objective = objective
+  if objective == "dpo":
+    c.data.format = "preference"
+  return c
+
+
+def dpo_pair_batch(seed=0, b=8, t=33):
+  """A preference batch in the trainer's format: `b` chosen and `b` rejected rows of `t` tokens
+  (vocab 128), right-padded after 12..t tokens, the loss on the tokens from position 8 on."""
+  rng = np.random.default_rng(seed)
+  out = {}
+  for side in ("chosen", "rejected"):
+    ids = rng.integers(1, 128, (b, t)).astype(np.int32)
+    n = rng.integers(12, t + 1, b)
+    attention = (np.arange(t)[None] < n[:, None]).astype(np.int32)
+    loss = attention * (np.arange(t)[None] >= 8)
+    out |= {f"{side}_input_ids": ids * attention, f"{side}_attention_mask": attention,
+            f"{side}_loss_mask": loss.astype(np.float32)}
+  return out
+
+
+# --- dry runs (`--dry_run`) in this process ----------------------------------------------------
+
+# The last line of a dry run, which scripts read (jaxtrain/dryrun/command.py: the contract),
+# matched whole.
+DRY_RUN_LAST_LINE = re.compile(
+    r"^dry_run: target=(?P<target>\S+) compiler=(?P<compiler>gpu|tpu|cpu) "
+    r"devices=(?P<devices>\d+) params_gib=(?P<params>\S+) opt_gib=(?P<opt>\S+) "
+    r"temp_gib=(?P<temp>\S+) total_gib=(?P<total>\S+) fits=(?P<fits>yes|no)$")
+
+
+@dataclasses.dataclass
+class DryRun:
+  """What one `--dry_run` left: the CLI's exit code and report (`cli`), and the figures behind
+  them: every Measurement `measure.measure` returned, and every call of `measure.compile_step`
+  as ((config, devices, platform), its result: compiled step, setup, abstract state, abstract
+  batch, attention note, mesh shape)."""
+  cli: CliResult
+  measurements: list
+  compiles: list
+
+
+def run_dry_run(*args, devices: int | None = None) -> DryRun:
+  """Runs `python -m jaxtrain.main --dry_run ARGS` in this process (run_cli) and keeps what the
+  command measured and compiled, so that one compile gives a test both the report and the
+  compiled program (a deviceless GPU or TPU compile is not served by the persistent compilation
+  cache: a second test of the same program compiles it again)."""
+  from jaxtrain.dryrun import measure  # pylint: disable=import-outside-toplevel
+  measurements, compiles = [], []
+  real_measure, real_compile_step = measure.measure, measure.compile_step
+
+  def measure_spy(*a, **k):
+    measurements.append(real_measure(*a, **k))
+    return measurements[-1]
+
+  def compile_step_spy(*a, **k):
+    compiles.append((a, real_compile_step(*a, **k)))
+    return compiles[-1][1]
+
+  with mock.patch.object(measure, "measure", measure_spy), \
+       mock.patch.object(measure, "compile_step", compile_step_spy):
+    cli = run_cli("--dry_run", *args, devices=devices)
+  return DryRun(cli, measurements, compiles)
+
+
+# A `python -m jaxtrain.main` process that compiles as this test process does: XLA:CPU with as
+# many devices as this process has (conftest.py's 8), of which it shows the first N (argv[1]),
+# then jaxtrain.main's flag parsing and main. JAX's compilation cache keys hold the client's
+# device topology, so a CLI process with 1 device of 1 (run_main) compiles everything afresh,
+# while this one finds what this process (run_cli, train_curves) compiled in the session's
+# cache, and the reverse. For a run whose process is the point (a kill) that need not be
+# `python -m jaxtrain.main` itself (the platform choice and the huge-page re-exec).
+_CLI_PROCESS_CODE = """
+import sys
+from unittest import mock
+import jax
+n = int(sys.argv[1])
+devices = jax.devices()[:n]
+with mock.patch.object(jax, "devices", lambda *_: list(devices)), \\
+     mock.patch.object(jax, "local_devices", lambda *_, **__: list(devices)), \\
+     mock.patch.object(jax, "device_count", lambda *_: n), \\
+     mock.patch.object(jax, "local_device_count", lambda *_: n):
+  from absl import app
+  from jaxtrain import main as cli
+  from jaxtrain.cli_flags import parse_flags
+  app.run(cli.main, argv=["jaxtrain.main", *sys.argv[2:]], flags_parser=parse_flags)
+"""
+
+
+def cli_process_command(*args, devices: int = 1) -> list[str]:
+  """The argv of a jaxtrain.main process that shares this process's compilations (see
+  _CLI_PROCESS_CODE), seeing `devices` devices; run it with cli_process_env()."""
+  return [sys.executable, "-c", _CLI_PROCESS_CODE, str(devices), *map(str, args)]
+
+
+def cli_process_env(env: dict | None = None) -> dict:
+  """main_env() (no emulated-device flag: the XLA flags are this process's) with this process's
+  CPU device count, and `env` on top."""
+  return main_env(env={"JAX_NUM_CPU_DEVICES": str(len(jax.devices())), **(env or {})})
+
+
+def kill_cli_process_after_step(workdir, step: int, *args, devices: int = 1,
+                                timeout: float = 300):
+  """Starts `jaxtrain.main ARGS --workdir=WORKDIR` as a process of its own (cli_process_command)
+  and SIGKILLs it once WORKDIR/metrics.jsonl shows `step`; fails if it ended before."""
+  import signal  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  proc = subprocess.Popen(cli_process_command(*args, f"--workdir={workdir}", devices=devices),
+                          cwd=REPO, env=cli_process_env(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  path = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.time() + timeout
+  try:
+    while time.time() < deadline and proc.poll() is None:
+      if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+          steps = [json.loads(l).get("step", 0) for l in f if l.strip().endswith("}")]
+        if steps and max(steps) >= step:
+          break
+      time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be killed"
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()

@@ -1,14 +1,18 @@
 """Newcomer mistakes on the command line (a mistyped --config key, a missing or broken config
-file, an unknown flag) end in one line on stderr and exit code 2, never a traceback."""
+file, an unknown flag) end in one line on stderr and exit code 2, never a traceback.
+
+The command lines run in this process (run_cli: the same flag parsing and exit codes); one runs
+`python -m jaxtrain.main` for real, so that the exit path of the process stays tested."""
+
 
 import pytest
+from absl import app
 
-from tests.helpers import run_main
+from tests.helpers import run_cli, run_main
 
 
 def _cli(*args):
-  # These errors all arise while flags parse, before JAX is imported: seconds, not minutes.
-  return run_main(*args, timeout=60)
+  return run_cli(*args)
 
 
 def _one_line_error(proc) -> str:
@@ -32,6 +36,15 @@ def _one_line_error(proc) -> str:
 def test_mistyped_config_key_is_one_line_with_a_suggestion(override, words):
   line = _one_line_error(_cli("--config=configs/tiny.py", override))
   for word in words:
+    assert word in line, f"{word!r} not in {line!r}"
+
+
+def test_a_flag_error_in_a_real_process_is_one_line_exit_2():
+  """The one command-line mistake run as `python -m jaxtrain.main` (app.run, exit code of the
+  process); these errors arise while flags parse, before JAX is imported: seconds."""
+  line = _one_line_error(run_main("--config=configs/tiny.py", "--config.train.stepz=10",
+                                  timeout=60))
+  for word in ["--config.train.stepz=10", "'stepz'", "config.train", "Did you mean", "steps"]:
     assert word in line, f"{word!r} not in {line!r}"
 
 
@@ -77,6 +90,7 @@ def test_other_flag_errors_stay_one_line(args, words):
 
 
 def test_help_still_prints_the_usage():
+  app.define_help_flags()  # as app.run does in `python -m jaxtrain.main` before parsing
   proc = _cli("--help")
   assert "--config" in proc.stdout and "--workdir" in proc.stdout, proc.stdout
   assert "error:" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -77,6 +77,8 @@ def test_shipped_configs_validate(name):
 
 
 def test_cli_bad_mesh_exits_2_with_one_line(tmp_path):
+  """Through the real process: the suite's one config error that exits `python -m
+  jaxtrain.main` with code 2 (the other CLI errors run in the test process)."""
   proc = run_main("--config=configs/tiny.py", "--config.mesh.tensor=3", f"--workdir={tmp_path}",
                   devices=8, timeout=120)
   assert proc.returncode == 2, proc.stderr

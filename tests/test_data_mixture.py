@@ -1,5 +1,7 @@
 """A weighted mixture of sources (data.mixture)."""
 
+import json
+
 import ml_collections
 import numpy as np
 import pytest
@@ -8,9 +10,15 @@ from jaxtrain import data
 from jaxtrain.config import ConfigError
 from jaxtrain.data import sources
 from tests.test_data import assert_resumes, small_config, take
-from tests.test_data_text import _jsonl
 
 MARK = "\u00e9"  # JSONL documents are all é (bytes 0xC3 0xA9): easy to tell from stdlib code
+
+
+def _jsonl(tmp_path, texts, name="corpus.jsonl"):
+  path = tmp_path / name
+  path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)),
+                  encoding="utf-8")
+  return path
 
 
 def _config(tmp_path, code_weight, jsonl_weight):

@@ -8,7 +8,7 @@ import pytest
 from jaxtrain import data
 from jaxtrain.config import ConfigError
 from jaxtrain.data import sources
-from tests.helpers import run_main
+from tests.helpers import run_cli, run_main
 from tests.test_data import T, assert_batches_equal, assert_resumes, small_config, take
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -106,20 +106,32 @@ def test_missing_field_names_file_and_line(tmp_path):
     next(data.make_train_iterator(c))
 
 
+@pytest.mark.slow
 def test_cli_malformed_jsonl_exits_2_naming_the_line(tmp_path):
   path = _jsonl(tmp_path, _texts(3))
   with open(path, "a", encoding="utf-8") as f:
     f.write('{"text": "unterminated\n')
-  proc = run_main("--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}",
-                  "--config.data.source=jsonl", f"--config.data.train_paths={path}",
-                  f"--config.data.eval_paths={path}", "--config.data.on_bad_record=skip",
-                  "--config.train.steps=1", timeout=300)
+  data_flags = ["--config=configs/tiny.py", "--config.data.source=jsonl",
+                f"--config.data.train_paths={path}", f"--config.data.eval_paths={path}",
+                "--config.train.steps=1"]
+  # The default (data.on_bad_record='fail'): the run stops before training, exit code 2 and one
+  # line naming the file and the line. A real process: the suite's exit-code check of a data
+  # error through `python -m jaxtrain.main`.
+  proc = run_main(*data_flags, f"--workdir={tmp_path / 'fail'}", devices=1, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  lines = [l for l in proc.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1, proc.stderr[-2000:]
+  assert lines[0].startswith("data error: ") and f"{path}:4" in lines[0], lines
+  assert "malformed JSON" in lines[0] and "on_bad_record='skip'" in lines[0], lines
+  assert not (tmp_path / "fail" / "checkpoints").exists()
   # With skip the bad line is dropped and counted; the run trains.
+  proc = run_cli(*data_flags, f"--workdir={tmp_path / 'run'}", "--config.data.on_bad_record=skip")
   assert proc.returncode == 0, proc.stderr[-2000:]
-  proc = run_main("--config=configs/tiny.py", f"--workdir={tmp_path / 'run2'}",
-                  "--config.data.source=jsonl",
-                  f"--config.data.train_paths={tmp_path / 'nothing*.jsonl'}",
-                  "--config.train.steps=1", timeout=300)
+  assert "1 skipped" in proc.stdout, proc.stdout[-2000:]
+  proc = run_cli("--config=configs/tiny.py", f"--workdir={tmp_path / 'run2'}",
+                 "--config.data.source=jsonl",
+                 f"--config.data.train_paths={tmp_path / 'nothing*.jsonl'}",
+                 "--config.train.steps=1")
   assert proc.returncode == 2
   lines = [l for l in proc.stderr.splitlines() if l.strip()]
   assert len(lines) == 1 and "no files match" in lines[0], proc.stderr[-2000:]

@@ -1,7 +1,6 @@
 """Dry run (AOT compile on abstract inputs), remat policies, optimizer-state dtype and offload."""
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -24,13 +23,9 @@ from jaxtrain.sharding import abstract_model, init_params
 from jaxtrain.train_step import loss_sum_fn
 from jaxtrain.train_setup import build, init_state
 from jaxtrain.trainer import to_global_batch
-from tests.helpers import mesh_of, packed_batch, run_main, small_config
+from tests.helpers import DRY_RUN_LAST_LINE as LAST_LINE
+from tests.helpers import mesh_of, packed_batch, run_cli, run_main, small_config
 
-# The line scripts read (jaxtrain/dryrun/command.py: the contract), matched whole.
-LAST_LINE = re.compile(r"^dry_run: target=(?P<target>\S+) compiler=(?P<compiler>gpu|tpu|cpu) "
-                       r"devices=(?P<devices>\d+) params_gib=(?P<params>\S+) "
-                       r"opt_gib=(?P<opt>\S+) temp_gib=(?P<temp>\S+) total_gib=(?P<total>\S+) "
-                       r"fits=(?P<fits>yes|no)$")
 # Memory sizes the verdicts are for: one nothing fits on (judged first), one everything small
 # fits on.
 TABLE = {"Tiny 1KiB": 2**-20 * GIB, "H100 80GB": 80 * GIB}
@@ -296,7 +291,10 @@ def test_hlo_flops_count_every_loop_iteration():
   assert counted.loops == 1 and counted.loops_without_trip_count == 0
 
 
+@pytest.mark.slow  # two interpreters: the command and the one it re-runs
 def test_cli_reruns_itself_with_emulated_devices():
+  """The real process (the point: a process's CPU device count is fixed when JAX starts, so the
+  command re-runs itself with more)."""
   proc = run_main("--config=configs/tiny.py", "--dry_run", "--dry_run_devices=2")
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = proc.stdout.strip().splitlines()
@@ -307,8 +305,8 @@ def test_cli_reruns_itself_with_emulated_devices():
 
 
 def test_cli_config_error_is_one_line_exit_2():
-  proc = run_main("--config=configs/tiny.py", "--dry_run", "--dry_run_devices=2",
-                  "--config.model.remat_policy=everything_offload")
+  proc = run_cli("--config=configs/tiny.py", "--dry_run", "--dry_run_devices=2",
+                 "--config.model.remat_policy=everything_offload")
   assert proc.returncode == 2
   assert proc.stderr.strip().startswith("config error: model.remat_policy='everything_offload'")
   assert len(proc.stderr.strip().splitlines()) == 1
@@ -316,9 +314,11 @@ def test_cli_config_error_is_one_line_exit_2():
 
 @pytest.mark.slow
 def test_llama8b_on_8_devices():
-  """The full-size path: llama8b at microbatch 1 with full remat, 8 emulated devices."""
-  proc = run_main("--config=configs/llama8b.py", "--dry_run", "--dry_run_devices=8",
-                  "--config.train.grad_accum_steps=32", "--config.model.remat_policy=full")
+  """The full-size path: llama8b at microbatch 1 with full remat, on 8 CPU devices (this
+  process's 8, so no re-run)."""
+  proc = run_cli("--config=configs/llama8b.py", "--dry_run", "--dry_run_devices=8",
+                 "--config.train.grad_accum_steps=32", "--config.model.remat_policy=full",
+                 devices=8)
   assert proc.returncode == 0, proc.stderr[-3000:]
   match = LAST_LINE.match(proc.stdout.strip().splitlines()[-1])
   assert match, proc.stdout[-3000:]

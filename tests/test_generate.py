@@ -2,8 +2,6 @@
 
 import functools
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +12,11 @@ from flax import nnx
 from jaxtrain import train_setup
 from jaxtrain.checkpoint import save_params
 from jaxtrain.config import load_config_file
+from jaxtrain.data.tokenizer import load_tokenizer
 from jaxtrain.generate import SamplingConfig, generate, sample_token
 from jaxtrain.model import ModelConfig
 from jaxtrain.sharding import create_model
-from tests.helpers import mesh_of
+from tests.helpers import REPO, mesh_of, run_generate
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,6 +62,15 @@ def test_rows_stop_at_eos_and_sampling_is_seeded():
   a, b = (generate(model, prompt * 2, hot, seed=7) for _ in range(2))
   np.testing.assert_array_equal(a[0], b[0])
   np.testing.assert_array_equal(a[1], b[1])
+  # The draws follow the seed and the temperature: the rows of one batch (the same prompt) are
+  # drawn apart, another seed draws other tokens, and greedy decoding (which ignores the seed)
+  # is not what sampling gives.
+  assert not np.array_equal(a[0], a[1])
+  c = generate(model, prompt * 2, hot, seed=8)
+  assert not np.array_equal(a[0], c[0]) and not np.array_equal(a[1], c[1])
+  greedy = generate(model, prompt, SamplingConfig(max_new_tokens=12), seed=7)[0]
+  np.testing.assert_array_equal(greedy, first)
+  assert not np.array_equal(a[0], first) and not np.array_equal(a[1], first)
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
@@ -82,20 +90,30 @@ def test_bad_sampling_settings_are_refused():
     generate(_model(), [np.array([], np.int32)], SamplingConfig())
 
 
-@pytest.mark.slow
 def test_cli_continues_prompts_from_a_weights_directory(tmp_path):
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  config = load_config_file(os.path.join(repo, "configs", "tiny.py"))
+  """`python -m jaxtrain.generate` (in this process: tests.helpers.run_generate) on a weights
+  directory and a config file prints each prompt's greedy continuation, the one `generate`
+  computes from the same weights; a missing directory is one line and exit code 2."""
+  config = load_config_file(os.path.join(REPO, "configs", "tiny.py"))
   config.mesh.data = config.mesh.fsdp = config.mesh.tensor = 1
-  state = train_setup.init_state(train_setup.build(config, mesh_of((1, 1, 1))), seed=0)
+  setup = train_setup.build(config, mesh_of((1, 1, 1)))
+  state = train_setup.init_state(setup, seed=0)
   save_params(tmp_path, state.params)
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  run = lambda *args: subprocess.run(
-      [sys.executable, "-m", "jaxtrain.generate", *args], cwd=repo, env=env,
-      capture_output=True, text=True, timeout=300)
-  ok = run(f"--checkpoint={tmp_path}", "--config=configs/tiny.py", "--prompt=def f(",
-           "--prompt=import", "--max_new_tokens=8")
+  prompts = ["def f(", "import"]
+  ok = run_generate(f"--checkpoint={tmp_path}", "--config=configs/tiny.py",
+                    *(f"--prompt={p}" for p in prompts), "--max_new_tokens=8")
   assert ok.returncode == 0, ok.stderr[-2000:]
   assert "--- prompt: 'def f('" in ok.stdout and "--- prompt: 'import'" in ok.stdout
-  bad = run(f"--checkpoint={tmp_path / 'missing'}", "--prompt=x")
+  # What it printed is the greedy continuation of the saved weights.
+  tokenizer = load_tokenizer(config.data.tokenizer)
+  model = nnx.merge(setup.graphdef, state.params)
+  ids = [tokenizer.encode_document(p, add_bos=tokenizer.bos_id is not None, add_eos=False)
+         for p in prompts]
+  rows = generate(model, ids, SamplingConfig(max_new_tokens=8, eos_id=tokenizer.eos_id))
+  want = "".join(f"--- prompt: {p!r}\n{p}"
+                 + tokenizer.decode([int(i) for i in row if i != tokenizer.eos_id]) + "\n"
+                 for p, row in zip(prompts, rows))
+  assert ok.stdout == want, (ok.stdout, want)
+  bad = run_generate(f"--checkpoint={tmp_path / 'missing'}", "--prompt=x")
   assert bad.returncode == 2 and "no such directory" in bad.stderr
+  assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -1,14 +1,15 @@
 """GRPO through the CLI: a killed run resumes drawing the same completions (bitwise equal losses
 and rewards), completions are written every eval, and a failing reward function stops the run
-with one line and the last step saved, or is skipped when asked."""
+with one line and the last step saved, or is skipped when asked. The runs that need no process
+of their own run in this one (tests.helpers.run_cli); the killed run is a real process."""
 
 import json
 import os
 
 import pytest
 
-from tests.helpers import run_main
-from tests.test_resume import kill_after_step
+from tests import reward_fixtures
+from tests.helpers import kill_cli_process_after_step, run_cli
 
 STEPS = 8
 # A smaller demo: 4 prompts x 4 completions of at most 8 tokens per step.
@@ -27,7 +28,7 @@ def _records(workdir):
 
 
 def _run(workdir, *extra):
-  proc = run_main(*SMALL, f"--workdir={workdir}", *extra, devices=1)
+  proc = run_cli(*SMALL, f"--workdir={workdir}", *extra)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return proc
 
@@ -50,21 +51,26 @@ def test_killed_grpo_run_resumes_with_the_same_completions(tmp_path):
   assert {s["step"] for s in samples} == {4, 8} and all("completion" in s for s in samples)
   assert "eval reward mean" in proc.stdout
 
-  kill_after_step(tmp_path / "split", 6, args=[*SMALL, f"--workdir={tmp_path / 'split'}"])
+  # The killed run is a process of its own (SIGKILL after step 6, the step-4 checkpoint
+  # written); it resumes here.
+  kill_cli_process_after_step(tmp_path / "split", 6, *SMALL)
   proc = _run(tmp_path / "split")
   assert "resumed from step 4" in proc.stdout
   split = [r for r in _records(tmp_path / "split") if "loss" in r]
-  key = lambda r: (r["step"], r["loss"], r.get("reward_mean"), r["kl"],
+  key = lambda r: (r["step"], r["loss"], r.get("grad_norm"), r.get("reward_mean"), r["kl"],
                    r.get("completion_len_mean"))
   assert [key(r) for r in split] == [key(r) for r in train]  # bitwise: the same rollouts
 
 
 @pytest.mark.slow
-def test_reward_failures_stop_with_one_line_or_are_skipped(tmp_path):
-  proc = run_main(*SMALL, f"--workdir={tmp_path / 'stop'}", "--config.checkpoint.every_steps=100",
-                  "--config.grpo.warmup_steps=0",
-                  "--config.grpo.reward_fns=tests.reward_fixtures:fails_on_third_call", devices=1)
-  assert proc.returncode == 1
+def test_reward_failures_stop_with_one_line_or_are_skipped(tmp_path, monkeypatch):
+  # The fixtures count their calls in this process: each run here starts from none.
+  calls = reward_fixtures._calls  # pylint: disable=protected-access
+  monkeypatch.setitem(calls, "fails_on_third_call", 0)
+  proc = run_cli(*SMALL, f"--workdir={tmp_path / 'stop'}", "--config.checkpoint.every_steps=100",
+                 "--config.grpo.warmup_steps=0",
+                 "--config.grpo.reward_fns=tests.reward_fixtures:fails_on_third_call")
+  assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
   errors = [l for l in proc.stderr.splitlines() if "reward error" in l]
   assert len(errors) == 1, proc.stderr[-2000:]
   assert ("tests.reward_fixtures:fails_on_third_call returned nan for completion 1"
@@ -72,6 +78,7 @@ def test_reward_failures_stop_with_one_line_or_are_skipped(tmp_path):
   # Nothing lost: the two finished steps are checkpointed before the run stops.
   assert sorted(os.listdir(tmp_path / "stop" / "checkpoints")) == ["2"]
 
+  monkeypatch.setitem(calls, "flaky", 0)
   proc = _run(tmp_path / "skip", "--config.grpo.reward_fns=tests.reward_fixtures:flaky",
               "--config.grpo.on_reward_error=skip", "--config.train.eval_every=100",
               "--config.grpo.warmup_steps=0")

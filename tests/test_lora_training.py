@@ -12,18 +12,8 @@ from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain import peft, run_weights, train_setup, trainer
 from jaxtrain.sharding import abstract_model
 from jaxtrain.train_step import merge_model
-from tests.helpers import mesh_of, packed_batch, small_config
-
-
-def _lora_config(quantize_base="none", objective="lm"):
-  c = small_config()
-  c.lora.rank, c.lora.alpha, c.lora.targets = 4, 8.0, "q,v,o,gate,down"
-  c.lora.quantize_base, c.lora.quant_group_size = quantize_base, 32
-  c.optim.learning_rate, c.optim.weight_decay = 1e-2, 0.0
-  c.train.objective = objective
-  if objective == "dpo":
-    c.data.format = "preference"
-  return c
+from tests.helpers import (assert_curves_close, dpo_pair_batch, lora_config, mesh_of,
+                           packed_batch)
 
 
 def _leaf_types(state):
@@ -32,18 +22,21 @@ def _leaf_types(state):
 
 
 def _train(setup, state, steps, seed=0):
+  """(state after `steps` steps on one packed batch, {"loss": [...], "grad_norm": [...]})."""
   config_batch = packed_batch(8, 32, 128, seed=seed)
-  losses = []
+  curves = {"loss": [], "grad_norm": []}
   with jax.set_mesh(setup.mesh):
     for _ in range(steps):
       state, m = setup.train_step(state, trainer.to_global_batch(config_batch, setup.mesh))
-      losses.append(float(m["loss"]))
-  return state, losses
+      for key, values in curves.items():
+        values.append(float(m[key]))
+  return state, curves
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantize_base", ["none", "nf4"])
 def test_only_adapters_train_and_the_base_stays_frozen(quantize_base):
-  config = _lora_config(quantize_base)
+  config = lora_config(quantize_base)
   setup = train_setup.build(config, mesh_of((2, 2, 2)))
   state = train_setup.init_state(setup, seed=0)
   assert _leaf_types(state.params) == {"Adapter"}
@@ -53,16 +46,22 @@ def test_only_adapters_train_and_the_base_stays_frozen(quantize_base):
   moments = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim > 0)
   assert moments == 2 * adapter_count
   frozen_before = jax.device_get(state.frozen)
-  state, losses = _train(setup, state, 8)
+  state, curves = _train(setup, state, 8)
+  losses = curves["loss"]
   assert losses[-1] < losses[0] - 0.1, losses
   for before, after in zip(jax.tree.leaves(frozen_before), jax.tree.leaves(state.frozen)):
     np.testing.assert_array_equal(before, jax.device_get(after))
   # The checkpointed state carries no frozen weight.
   assert trainer.checkpointed(state).frozen is None
+  # On (2,2,2) the adapters train as on one device: the same losses and gradient norms.
+  one = train_setup.build(config, mesh_of((1, 1, 1)))
+  _, want = _train(one, train_setup.init_state(one, seed=0), 8)
+  assert_curves_close(curves, want, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_merged_export_computes_what_the_lora_model_computes(tmp_path):
-  config = _lora_config("int8")
+  config = lora_config("int8")
   mesh = mesh_of((1, 1, 1))
   setup = train_setup.build(config, mesh)
   state, _ = _train(setup, train_setup.init_state(setup, seed=0), 4)
@@ -83,26 +82,13 @@ def test_merged_export_computes_what_the_lora_model_computes(tmp_path):
           == jax.tree.structure(jax.tree.map(lambda x: 0, abstract)))
 
 
-def _dpo_batch(seed=0, b=8, t=33):
-  rng = np.random.default_rng(seed)
-  out = {}
-  for side in ("chosen", "rejected"):
-    ids = rng.integers(1, 128, (b, t)).astype(np.int32)
-    n = rng.integers(12, t + 1, b)
-    attention = (np.arange(t)[None] < n[:, None]).astype(np.int32)
-    loss = attention * (np.arange(t)[None] >= 8)
-    out |= {f"{side}_input_ids": ids * attention, f"{side}_attention_mask": attention,
-            f"{side}_loss_mask": loss.astype(np.float32)}
-  return out
-
-
 def test_dpo_under_lora_starts_at_log2_with_the_base_as_reference():
-  config = _lora_config(objective="dpo")
+  config = lora_config(objective="dpo")
   config.train.seq_len = 32
   setup = train_setup.build(config, mesh_of((1, 2, 1)))
   state = train_setup.init_state(setup, seed=0)
   assert state.frozen.reference is None  # no second copy: the reference is the base
-  batch = _dpo_batch()
+  batch = dpo_pair_batch()
   losses = []
   with jax.set_mesh(setup.mesh):
     for _ in range(6):

@@ -1,7 +1,9 @@
 """Multi-host training: process layout detection, multi-host config errors, virtual data shards,
 and real multi-process runs on localhost (CPU devices, gloo collectives): train on 2 processes,
-resume on 1 with the uninterrupted run's losses; a dead or hung process stops the others."""
+resume on 1 with the uninterrupted run's losses and gradient norms; a dead or hung process stops
+the others. The one-process runs they are compared with run in the test process (run_cli)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -21,10 +23,12 @@ from jaxtrain.config_checks import validate
 from jaxtrain.data import shards
 from jaxtrain.mesh import batch_rows_by_process, make_mesh
 from tests.conftest import FAST_XLA_FLAG
-from tests.helpers import REPO, assert_one_line_config_error, main_command, small_config
+from tests.helpers import (REPO, SMALL_TINY_ARGS, assert_curves_close,
+                           assert_one_line_config_error, main_command, run_cli, small_config)
 from tests.test_data import assert_batches_equal, take
 from tests.test_data import small_config as small_data_config
-from tests.test_end_to_end import SMALL
+
+SMALL = SMALL_TINY_ARGS
 
 # --- where the process layout comes from ---------------------------------------------------
 
@@ -282,16 +286,48 @@ def _local(num_processes, workdir, *args):
 
 
 def _records(workdir):
+  """({"loss": [...], "grad_norm": [...]} at the logged train steps, {step: eval_loss}, the
+  logged steps) of WORKDIR/metrics.jsonl, written by one process (process 0), each step once."""
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     records = [json.loads(line) for line in f]
-  steps = [r["step"] for r in records if "loss" in r]
+  train = [r for r in records if "loss" in r]
+  steps = [r["step"] for r in train]
   assert steps == sorted(set(steps)), steps  # one writer (process 0), each step once
-  return ({r["step"]: r["loss"] for r in records if "loss" in r},
-          {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r})
+  return ({key: [r[key] for r in train] for key in ("loss", "grad_norm")},
+          {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}, steps)
 
 
-def _finish(proc, timeout=240):
-  out, _ = proc.communicate(timeout=timeout)
+def _start(command, log_path, env):
+  """Popen of `command` with its output in the file `log_path` (a pipe nobody reads while the
+  test process trains would fill and stall it)."""
+  with open(log_path, "w", encoding="utf-8") as log:
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _cli_in_this_process(workdir, *args):
+  """The one-process run of `_main(workdir, *args)` on this process's 8 CPU devices, in this
+  process (run_cli); it must succeed. Its stdout."""
+  proc = run_cli("--config=configs/tiny.py", f"--workdir={workdir}", *args, devices=8)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return proc.stdout
+
+
+@contextlib.contextmanager
+def _stopped_on_error(launcher):
+  """Should the block fail, the launcher's processes are stopped (it forwards SIGTERM to every
+  one of them) rather than left running."""
+  try:
+    yield
+  except BaseException:
+    launcher.send_signal(signal.SIGTERM)
+    launcher.wait(timeout=60)
+    raise
+
+
+def _finish(proc, log_path, timeout=240):
+  proc.wait(timeout=timeout)
+  with open(log_path, encoding="utf-8") as f:
+    out = f.read()
   assert proc.returncode == 0, out[-4000:]
   return out
 
@@ -299,35 +335,29 @@ def _finish(proc, timeout=240):
 @pytest.mark.slow
 def test_two_processes_resume_as_one_process_with_the_uninterrupted_losses(tmp_path):
   """2 processes x 4 CPU devices, mesh (2,2,2) with dcn_data=2 and the default data config,
-  train 3 steps and checkpoint; 1 process x 8 devices resumes for 3 more; the losses and eval
-  losses equal an uninterrupted 1-process run at every step."""
-  cache = dict(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"))
-  # The uninterrupted run and the 2-process run are independent: run them side by side.
-  one = subprocess.Popen(_main(tmp_path / "one", *SPLIT_MESH, f"--config.train.steps={STEPS}"),
-                         cwd=REPO, env=_env(8, **cache), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-  two = subprocess.Popen(_local(2, tmp_path / "two", *SPLIT_MESH, "--config.mesh.dcn_data=2",
-                                f"--config.train.steps={SPLIT}"),
-                         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
-  out_two = _finish(two)
-  _finish(one)
+  train 3 steps and checkpoint; 1 process x 8 devices resumes for 3 more; the losses, gradient
+  norms and eval losses equal an uninterrupted 1-process run at every step."""
+  # The uninterrupted run (in this process) and the 2-process run are independent: side by side.
+  log = tmp_path / "two.log"
+  two = _start(_local(2, tmp_path / "two", *SPLIT_MESH, "--config.mesh.dcn_data=2",
+                      f"--config.train.steps={SPLIT}"), log, _env())
+  with _stopped_on_error(two):
+    _cli_in_this_process(tmp_path / "one", *SPLIT_MESH, f"--config.train.steps={STEPS}")
+  out_two = _finish(two, log)
   assert "8 × cpu (2 process(es))" in out_two
   saved = tmp_path / "two" / "checkpoints" / str(SPLIT) / "data"
   assert [n for n in os.listdir(saved) if n.endswith(".json")] == ["global_stream.json"]
-  resumed = subprocess.run(_main(tmp_path / "two", *SPLIT_MESH, f"--config.train.steps={STEPS}"),
-                           cwd=REPO, env=_env(8, **cache), capture_output=True, text=True,
-                           timeout=240)
-  assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-  assert f"resumed from step {SPLIT}" in resumed.stdout
-  want_loss, want_eval = _records(tmp_path / "one")
-  got_loss, got_eval = _records(tmp_path / "two")
-  assert sorted(got_loss) == sorted(want_loss) == list(range(1, STEPS + 1))
-  print("step  uninterrupted (1 process)  2 processes -> 1 process")
-  for step in sorted(want_loss):
-    print(f"{step:4d}  {want_loss[step]:.7f}  {got_loss[step]:.7f}")
-  np.testing.assert_allclose([got_loss[s] for s in sorted(want_loss)],
-                             [want_loss[s] for s in sorted(want_loss)], rtol=1e-5)
+  resumed = _cli_in_this_process(tmp_path / "two", *SPLIT_MESH, f"--config.train.steps={STEPS}")
+  assert f"resumed from step {SPLIT}" in resumed
+  want, want_eval, want_steps = _records(tmp_path / "one")
+  got, got_eval, got_steps = _records(tmp_path / "two")
+  assert got_steps == want_steps == list(range(1, STEPS + 1))
+  assert sorted(got_eval) == sorted(want_eval) == [SPLIT, STEPS]
+  print("step  uninterrupted (1 process)  2 processes -> 1 process   (loss, grad_norm)")
+  for i, step in enumerate(want_steps):
+    print(f"{step:4d}  {want['loss'][i]:.7f} {want['grad_norm'][i]:.7f}  "
+          f"{got['loss'][i]:.7f} {got['grad_norm'][i]:.7f}")
+  assert_curves_close(got, want, rtol=1e-5)
   np.testing.assert_allclose([got_eval[s] for s in sorted(want_eval)],
                              [want_eval[s] for s in sorted(want_eval)], rtol=1e-5)
 
@@ -417,22 +447,19 @@ def test_config_error_names_process_and_host_and_the_launcher_fails(tmp_path):
 @pytest.mark.slow
 def test_context_parallel_across_two_processes_matches_one(tmp_path):
   """2 processes x 4 CPU devices: data spans the processes (dcn_data=2) and each process holds
-  a context=2 x fsdp=2 group, so the ring stays within a process; the losses equal one process
-  with the same mesh."""
+  a context=2 x fsdp=2 group, so the ring stays within a process; the losses and gradient norms
+  equal one process with the same mesh (in the test process, while the two run)."""
   args = [*SMALL, "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.context=2",
           "--config.mesh.tensor=1", "--config.attention.context_parallel=ring",
           "--config.train.log_every=1", "--config.train.steps=3",
           "--config.train.eval_every=3", "--config.optim.warmup_steps=2"]
-  one = subprocess.Popen(_main(tmp_path / "one", *args), cwd=REPO, env=_env(8),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  two = subprocess.Popen(_local(2, tmp_path / "two", *args, "--config.mesh.dcn_data=2"),
-                         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
-  out_two = _finish(two)
-  _finish(one)
+  log = tmp_path / "two.log"
+  two = _start(_local(2, tmp_path / "two", *args, "--config.mesh.dcn_data=2"), log, _env())
+  with _stopped_on_error(two):
+    _cli_in_this_process(tmp_path / "one", *args)
+  out_two = _finish(two, log)
   assert "8 × cpu (2 process(es))" in out_two and "context=2" in out_two
-  want, _ = _records(tmp_path / "one")
-  got, _ = _records(tmp_path / "two")
-  assert sorted(got) == sorted(want) == [1, 2, 3]
-  np.testing.assert_allclose([got[s] for s in (1, 2, 3)], [want[s] for s in (1, 2, 3)],
-                             rtol=1e-5)
+  want, _, want_steps = _records(tmp_path / "one")
+  got, _, got_steps = _records(tmp_path / "two")
+  assert got_steps == want_steps == [1, 2, 3]
+  assert_curves_close(got, want, rtol=1e-5)

@@ -11,8 +11,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxtrain import pipeline as pp
-from tests.helpers import (assert_one_line_config_error, cli_losses, run_main, small_config,
-                           train_losses)
+from tests.helpers import (assert_curves_close, assert_one_line_config_error, cli_curves,
+                           dpo_pair_batch, lora_config, mesh_of, run_dry_run, small_config,
+                           train_curves)
 
 D, L = 16, 8
 
@@ -128,10 +129,12 @@ def _config(**settings):
 
 
 @pytest.fixture(scope="module")
-def one_device_losses():
-  return train_losses(_config(), (1, 1, 1))
+def one_device_curves():
+  """Losses and grad norms of 3 steps on one device: what every pipelined mesh must follow."""
+  return train_curves(_config(), (1, 1, 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,schedule", [
     ({"stage": 2, "data": 2, "fsdp": 2}, {"microbatches": 4}),
     ({"stage": 2, "fsdp": 2, "tensor": 2}, {"microbatches": 4, "repeats": 2}),
@@ -139,37 +142,39 @@ def one_device_losses():
     ({"stage": 4, "fsdp": 2}, {"microbatches": 8, "grad_accum_steps": 2,
                                "gather_weights_once": True}),
 ])
-def test_pipelined_training_losses_equal_one_device(one_device_losses, shape, schedule):
-  losses = train_losses(_config(**shape, **schedule), shape)
-  np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)
+def test_pipelined_training_losses_equal_one_device(one_device_curves, shape, schedule):
+  curves = train_curves(_config(**shape, **schedule), shape)
+  assert_curves_close(curves, one_device_curves, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_dpo_with_lora_adapters_under_stages_equals_one_device():
   """Adapters train, the frozen base (the DPO reference) runs through the same pipeline, and the
-  chosen and rejected rows travel in the microbatches: per-step losses equal one device's."""
+  chosen and rejected rows travel in the microbatches: per-step losses and grad norms equal one
+  device's."""
   from jaxtrain import train_setup, trainer  # pylint: disable=import-outside-toplevel
-  from tests.helpers import mesh_of  # pylint: disable=import-outside-toplevel
-  from tests.test_lora_training import _dpo_batch, _lora_config  # pylint: disable=import-outside-toplevel
 
-  def losses(shape, microbatches):
-    config = _lora_config(objective="dpo")
+  def curves(shape, microbatches):
+    config = lora_config(objective="dpo")
     config.train.seq_len, config.pipeline.microbatches = 32, microbatches
     for axis, size in shape.items():
       config.mesh[axis] = size
     setup = train_setup.build(config, mesh_of(shape))
-    state, out = train_setup.init_state(setup, seed=0), []
+    state, out = train_setup.init_state(setup, seed=0), {"loss": [], "grad_norm": []}
     with jax.set_mesh(setup.mesh):
       for step in range(3):
-        batch = trainer.to_global_batch(_dpo_batch(seed=step), setup.mesh)
+        batch = trainer.to_global_batch(dpo_pair_batch(seed=step), setup.mesh)
         state, metrics = setup.train_step(state, batch)
-        out.append(float(metrics["loss"]))
+        for key, values in out.items():
+          values.append(float(metrics[key]))
     return out
-  one = losses({"fsdp": 1}, 0)
-  piped = losses({"stage": 2, "fsdp": 2, "tensor": 2}, 4)
-  assert one[-1] < one[0]  # the adapters learn: the steps compared are not all log 2
-  np.testing.assert_allclose(piped, one, rtol=1e-5)
+  one = curves({"fsdp": 1}, 0)
+  piped = curves({"stage": 2, "fsdp": 2, "tensor": 2}, 4)
+  assert one["loss"][-1] < one["loss"][0]  # the adapters learn: the steps are not all log 2
+  assert_curves_close(piped, one, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_each_weight_once_per_step_with_gather_weights_once():
   """Counted in the compiled circular step (M=4, R=2: 9 iterations of 1-layer groups), loops by
   their trip counts. By default each of a layer's 7 fsdp-sharded weights is gathered per
@@ -209,15 +214,28 @@ def test_bad_pipeline_settings_are_one_line_errors(settings, words):
 
 # ------------------------------------------------------------------------------ the CLI
 
+# configs/tiny.py's 4 layers (2 stages x 2 groups) and batch of 16 (the schedule's line below),
+# narrower and on shorter rows: the same schedule, a quarter of the work.
 SMALL = ["--config.train.steps=4", "--config.train.log_every=1", "--config.train.eval_every=4",
          "--config.optim.warmup_steps=2", "--config.optim.decay_steps=200",
-         "--config.train.eval_batches=2"]
+         "--config.train.eval_batches=2", "--config.model.d_model=64",
+         "--config.model.mlp_dim=128", "--config.model.head_dim=16",
+         "--config.train.seq_len=64"]
 PIPELINED = ["--config.mesh.stage=2", "--config.mesh.data=2", "--config.mesh.fsdp=2",
              "--config.mesh.tensor=1", "--config.pipeline.microbatches=4"]
 
 
-def _cli_losses(workdir, *args, devices=None):
-  return cli_losses(workdir, "--config=configs/tiny.py", *SMALL, *args, devices=devices)
+def _cli_curves(workdir, *args, devices=None):
+  """(stdout, logged losses and grad norms) of a CLI run in this process."""
+  return cli_curves(workdir, "--config=configs/tiny.py", *SMALL, *args, devices=devices)
+
+
+def _last(curves, n):
+  return {key: values[-n:] for key, values in curves.items()}
+
+
+def _first(curves, n):
+  return {key: values[:n] for key, values in curves.items()}
 
 
 @pytest.mark.slow
@@ -227,22 +245,22 @@ def test_cli_circular_run_logs_one_device_losses_and_checkpoints_cross_meshes(tm
   one-device checkpoint resumes under stages: the stored layer order is the model's."""
   every_2 = "--config.checkpoint.every_steps=2"
   circular = [*PIPELINED, "--config.pipeline.repeats=2"]
-  _, one = _cli_losses(tmp_path / "one", every_2)
-  assert len(one) == 4
-  out, first = _cli_losses(tmp_path / "piped", *circular, every_2, "--config.train.steps=2",
+  _, one = _cli_curves(tmp_path / "one", every_2)
+  assert len(one["loss"]) == len(one["grad_norm"]) == 4
+  out, first = _cli_curves(tmp_path / "piped", *circular, every_2, "--config.train.steps=2",
                            devices=8)
   assert ("2 stages × 2 layers each (in 2 groups), 4 microbatches of 1 seq per device (grad "
           "accum within them), bubble 11.1%") in out, out
-  np.testing.assert_allclose(first, one[:2], rtol=1e-5)
-  out, resumed = _cli_losses(tmp_path / "piped", every_2)
+  assert_curves_close(first, _first(one, 2), rtol=1e-5)
+  out, resumed = _cli_curves(tmp_path / "piped", every_2)
   assert "resumed from step 2" in out
-  np.testing.assert_allclose(resumed[-2:], one[2:], rtol=1e-5)
+  assert_curves_close(_last(resumed, 2), _last(one, 2), rtol=1e-5)
   # Back: the one-device run's step-2 checkpoint, continued under stages.
   shutil.copytree(tmp_path / "one", tmp_path / "back")
   shutil.rmtree(tmp_path / "back" / "checkpoints" / "4")
-  out, back = _cli_losses(tmp_path / "back", *circular, every_2, devices=8)
+  out, back = _cli_curves(tmp_path / "back", *circular, every_2, devices=8)
   assert "resumed from step 2" in out
-  np.testing.assert_allclose(back[-2:], one[2:], rtol=1e-5)
+  assert_curves_close(_last(back, 2), _last(one, 2), rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -251,9 +269,8 @@ def test_llama70b_with_four_stages_compiles_for_h100x64():
   missing = targets.compiler_missing(targets.parse("h100x64"))
   if missing:
     pytest.skip(missing)
-  proc = run_main("--config=configs/llama70b.py", "--config.mesh.stage=4",
-                  "--config.pipeline.microbatches=16", "--dry_run", "--dry_run_target=h100x64",
-                  timeout=600)
+  proc = run_dry_run("--config=configs/llama70b.py", "--config.mesh.stage=4",
+                     "--config.pipeline.microbatches=16", "--dry_run_target=h100x64").cli
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "stage=4 fsdp=16" in proc.stdout
   assert proc.stdout.strip().splitlines()[-1].startswith(
@@ -268,7 +285,6 @@ def test_remat_by_name_saves_the_projections_under_the_stage_vmap(capsys, by_nam
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from jaxtrain.model import ModelConfig, remat_policy  # pylint: disable=import-outside-toplevel
   from jaxtrain.sharding import create_model  # pylint: disable=import-outside-toplevel
-  from tests.helpers import mesh_of  # pylint: disable=import-outside-toplevel
   cfg = ModelConfig(vocab_size=53, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                     head_dim=8, mlp_dim=64, max_position_embeddings=64)
   graphdef, layers = nnx.split(create_model(cfg, mesh_of((1, 1, 1))).layers)

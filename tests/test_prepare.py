@@ -14,6 +14,7 @@ from jaxtrain.config import ConfigError
 from jaxtrain.data import prepare as prep
 from jaxtrain.data.sources import DataError, PreparedCorpus, write_token_shard
 from jaxtrain.data.tokenizer import load_tokenizer
+from tests.helpers import run_entry
 
 WORDS = ("the a of and to in is was for on that with as by at from it an be this are or his "
          "which but not have had one all were they their has been more when who would will time "
@@ -68,6 +69,8 @@ def shard_bytes(directory):
 
 
 def run_cli(*args, cwd):
+  """`python -m jaxtrain.data.prepare ARGS` in a process of its own: its `__main__` runs the
+  importable module's `main`, so that the worker processes can unpickle their function."""
   return subprocess.run([sys.executable, "-m", "jaxtrain.data.prepare", *args], cwd=cwd,
                         capture_output=True, text=True, timeout=120,
                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -170,6 +173,8 @@ def test_refuses_to_overwrite_and_overwrite_replaces_stale_shards(corpus, tmp_pa
 
 
 def test_cli(corpus, tmp_path):
+  """`python -m jaxtrain.data.prepare` with 2 workers, as a process of its own (run_cli
+  above): its workers must find their function in the module, not in `__main__`."""
   out = tmp_path / "cli_out"
   result = run_cli("--input", corpus["jsonl"], "--format", "jsonl", "--field", "text",
                    "--tokenizer", corpus["tokenizer"], "--output", str(out), "--num_workers", "2",
@@ -188,8 +193,10 @@ def test_cli(corpus, tmp_path):
 
 
 def test_cli_glob_matching_nothing(tmp_path):
-  result = run_cli("--input", str(tmp_path / "nothing-*.jsonl"), "--format", "jsonl",
-                   "--tokenizer", "byte", "--output", str(tmp_path / "out"), cwd=tmp_path)
+  # In this process: the exit code is main's, and nothing starts workers.
+  result = run_entry(prep.main, "--input", str(tmp_path / "nothing-*.jsonl"), "--format",
+                     "jsonl", "--tokenizer", "byte", "--output", str(tmp_path / "out"),
+                     cwd=tmp_path)
   assert result.returncode == 2
   assert result.stdout == ""
   assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -1,9 +1,11 @@
-"""Checkpoint and resume of whole runs: after a hard kill, the resumed run's losses equal an
-uninterrupted run's at every step (CPU, bitwise)."""
+"""Checkpoint and resume of whole runs: after a hard kill, the resumed run's losses and gradient
+norms equal an uninterrupted run's at every step (CPU, bitwise); a checkpoint restores on
+another mesh; corrupted, foreign and non-finite cases."""
 
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -11,19 +13,20 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import REPO, main_command, main_env, run_main
-from tests.test_end_to_end import SMALL, _run
+from tests.helpers import (REPO, SMALL_TINY_ARGS, assert_curves_close, logged_curves,
+                           main_command, main_env, metrics_records, run_cli, run_tiny)
 
+SMALL = SMALL_TINY_ARGS
 STEPS = 12
 COMMON = [f"--config.train.steps={STEPS}", "--config.train.log_every=1",
           "--config.train.eval_every=6", "--config.optim.warmup_steps=2",
           "--config.checkpoint.every_steps=4"]
 
 
-def _losses(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    records = [json.loads(line) for line in f]
-  train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+def _history(workdir):
+  """([(step, loss, grad_norm)] of the train records, [(step, eval_loss)]) of metrics.jsonl."""
+  records = metrics_records(workdir)
+  train = [(r["step"], r["loss"], r["grad_norm"]) for r in records if "loss" in r]
   evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
   return train, evals
 
@@ -63,9 +66,15 @@ def kill_after_step(workdir, step, during_save=False, args=None):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+  """The uninterrupted run of COMMON on one device (checkpoints 4, 8 and 12): its workdir, for
+  the tests to read or copy, never to change."""
   workdir = tmp_path_factory.mktemp("uninterrupted")
-  _run(workdir, *COMMON)
-  return _losses(workdir)
+  run_tiny(workdir, *COMMON)
+  return workdir
+
+
+def _copy_run(source, workdir):
+  shutil.copytree(source, workdir, dirs_exist_ok=True)
 
 
 @pytest.mark.slow
@@ -77,12 +86,13 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path, uninterrupted, see
   committed = sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit()) if ckpt_dir.exists() else []
   if during_save:
     assert torn, "the kill did not land while a checkpoint was being written"
-  proc, _ = _run(tmp_path, *COMMON)
+  proc, _ = run_tiny(tmp_path, *COMMON)  # the same command again, here in the test process
   print(f"killed after step {kill_step} (during a save: {torn}); committed {committed}")
-  train, evals = _losses(tmp_path)
-  assert [s for s, _ in train] == list(range(1, STEPS + 1))  # each step once
-  assert train == uninterrupted[0]  # bitwise equal losses
-  assert evals == uninterrupted[1]
+  train, evals = _history(tmp_path)
+  want_train, want_evals = _history(uninterrupted)
+  assert [s for s, *_ in train] == list(range(1, STEPS + 1))  # each step once
+  assert train == want_train  # bitwise equal losses and gradient norms
+  assert evals == want_evals
   # A save cut short by the kill leaves only a temporary directory, never a committed step.
   if committed:
     assert f"resumed from step {committed[-1]}" in proc.stdout
@@ -91,24 +101,35 @@ def test_resume_after_sigkill_matches_uninterrupted(tmp_path, uninterrupted, see
 
 
 @pytest.mark.slow
-def test_restore_on_another_mesh(tmp_path):
-  """Saved on (2,2,2) over 8 devices, resumed on 1 device: losses continue within tolerance."""
-  _run(tmp_path / "a", *COMMON[:-1], "--config.checkpoint.every_steps=6",
-       "--config.train.steps=6", "--config.optim.decay_steps=12", "--config.mesh.data=2",
-       "--config.mesh.fsdp=2", "--config.mesh.tensor=2", devices=8)
-  proc, _ = _run(tmp_path / "a", *COMMON[:-1], "--config.checkpoint.every_steps=6",
-                 "--config.optim.decay_steps=12")
+def test_restore_on_another_mesh(tmp_path, uninterrupted):
+  """A (2,2,2) run over 8 devices matches one device's at every step (loss, gradient norm and
+  eval loss, rtol 1e-5); its step-6 checkpoint resumed on 1 device continues within the same
+  tolerance of the uninterrupted one-device run."""
+  mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
+  eight = tmp_path / "eight"
+  run_tiny(eight, *COMMON[:-1], "--config.checkpoint.every_steps=6", *mesh, devices=8)
+  want = logged_curves(uninterrupted, ("loss", "grad_norm"))
+  assert len(want["loss"]) == STEPS
+  assert_curves_close(logged_curves(eight), want, rtol=1e-5)
+  want_evals = [e for _, e in _history(uninterrupted)[1]]
+  assert len(want_evals) == 2
+  np.testing.assert_allclose([e for _, e in _history(eight)[1]], want_evals, rtol=1e-5)
+  # Step 6 as the newest checkpoint of a (2,2,2) run: resumed on 1 device to step 12.
+  resumed = tmp_path / "resumed"
+  _copy_run(eight, resumed)
+  shutil.rmtree(resumed / "checkpoints" / str(STEPS))
+  assert sorted(os.listdir(resumed / "checkpoints")) == ["6"]
+  proc, _ = run_tiny(resumed, *COMMON[:-1], "--config.checkpoint.every_steps=6")
   assert "resumed from step 6" in proc.stdout
-  _, reference = _run(tmp_path / "b", *COMMON[:-1], "--config.optim.decay_steps=12")
-  ref = [r["loss"] for r in reference if "loss" in r]
-  got = [loss for _, loss in _losses(tmp_path / "a")[0]]
-  np.testing.assert_allclose(got, ref, rtol=1e-5)
+  got = logged_curves(resumed)
+  assert len(got["loss"]) == STEPS
+  assert_curves_close(got, want, rtol=1e-5)
 
 
 @pytest.mark.slow
-def test_checkpoint_of_another_model_is_refused(tmp_path):
-  _run(tmp_path, *COMMON[:-1], "--config.checkpoint.every_steps=2", "--config.train.steps=2")
-  proc = run_main(*_args(tmp_path), "--config.model.mlp_dim=256", timeout=300)
+def test_checkpoint_of_another_model_is_refused(tmp_path, uninterrupted):
+  shutil.copytree(uninterrupted / "checkpoints", tmp_path / "checkpoints")
+  proc = run_cli(*_args(tmp_path), "--config.model.mlp_dim=256")
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "does not match this model config" in proc.stderr
 
@@ -127,9 +148,10 @@ def _wait_for_step(proc, workdir, step):
 
 @pytest.mark.slow
 def test_sigterm_saves_exits_0_and_resume_continues(tmp_path):
-  args = ["--config.train.steps=2000", "--config.optim.decay_steps=2000",
-          "--config.train.log_every=1", "--config.train.eval_every=1000",
-          "--config.checkpoint.every_steps=1000"]
+  # COMMON's schedule (decay_steps=STEPS): the train step the other runs here compiled.
+  args = ["--config.train.steps=2000", f"--config.optim.decay_steps={STEPS}",
+          "--config.optim.warmup_steps=2", "--config.train.log_every=1",
+          "--config.train.eval_every=1000", "--config.checkpoint.every_steps=1000"]
   cmd = main_command("--config=configs/tiny.py", f"--workdir={tmp_path}", *SMALL)
   proc = subprocess.Popen(cmd + args, cwd=REPO, env=main_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
@@ -143,53 +165,51 @@ def test_sigterm_saves_exits_0_and_resume_continues(tmp_path):
   assert (tmp_path / "checkpoints" / str(step)).is_dir()
   # The same command, asked to go two steps further, resumes where the first stopped.
   args[0] = f"--config.train.steps={step + 2}"
-  resumed, records = _run(tmp_path, *args[1:], args[0])
+  resumed, records = run_tiny(tmp_path, *args[1:], args[0])
   assert f"resumed from step {step}" in resumed.stdout
   assert [r["step"] for r in records if "loss" in r] == list(range(1, step + 3))
 
 
 @pytest.mark.slow
 def test_consecutive_non_finite_steps_stop_the_run(tmp_path):
-  proc = run_main("--config=configs/tiny.py", f"--workdir={tmp_path}", *SMALL,
-                  "--config.train.steps=30", "--config.train.log_every=1",
-                  "--config.optim.learning_rate=1e35", "--config.optim.warmup_steps=0",
-                  "--config.train.max_consecutive_bad_steps=3",
-                  "--config.checkpoint.every_steps=2", timeout=300)
+  proc = run_cli("--config=configs/tiny.py", f"--workdir={tmp_path}", *SMALL,
+                 "--config.train.steps=30", "--config.train.log_every=1",
+                 "--config.optim.learning_rate=1e35", "--config.optim.warmup_steps=0",
+                 "--config.train.max_consecutive_bad_steps=3",
+                 "--config.checkpoint.every_steps=2")
   assert proc.returncode == 1, proc.stderr[-2000:]
   assert "3 consecutive steps" in proc.stderr and "last checkpoint" in proc.stderr
-  records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl", encoding="utf-8")]
-  assert any(r.get("skipped") == 1.0 for r in records)
+  assert any(r.get("skipped") == 1.0 for r in metrics_records(tmp_path))
 
 
 @pytest.mark.slow
-def test_corrupted_latest_checkpoint_falls_back_to_the_previous(tmp_path):
-  args = ["--config.checkpoint.every_steps=2", "--config.train.log_every=1",
-          "--config.train.eval_every=100", "--config.optim.decay_steps=8"]
-  _run(tmp_path, *args, "--config.train.steps=4")
-  state_dir = tmp_path / "checkpoints" / "4" / "state"
+def test_corrupted_latest_checkpoint_falls_back_to_the_previous(tmp_path, uninterrupted):
+  _copy_run(uninterrupted, tmp_path)
+  state_dir = tmp_path / "checkpoints" / str(STEPS) / "state"
   for root, _, files in os.walk(state_dir):
     for name in files:  # truncate every file of the newest checkpoint's state
       open(os.path.join(root, name), "wb").close()
-  proc, records = _run(tmp_path, *args, "--config.train.steps=6")
-  assert f"checkpoint {tmp_path / 'checkpoints'}/4 is incomplete or corrupted" in proc.stdout
-  assert "resumed from step 2" in proc.stdout
-  assert [r["step"] for r in records if "loss" in r] == list(range(1, 7))
+  proc, records = run_tiny(tmp_path, *COMMON)
+  assert (f"checkpoint {tmp_path / 'checkpoints'}/{STEPS} is incomplete or corrupted"
+          in proc.stdout)
+  assert "resumed from step 8" in proc.stdout
+  assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
+  assert _history(tmp_path) == _history(uninterrupted)  # the steps redone, bitwise
 
 
 @pytest.mark.slow
-def test_init_from_another_runs_checkpoint(tmp_path):
+def test_init_from_another_runs_checkpoint(tmp_path, uninterrupted):
   """Params only: the new run starts at step 0 with a fresh optimizer and schedule."""
-  base = ["--config.train.log_every=1", "--config.train.eval_every=100",
-          "--config.optim.decay_steps=8"]
-  _, first = _run(tmp_path / "a", *base, "--config.checkpoint.every_steps=4",
-                  "--config.train.steps=8")
-  proc, second = _run(tmp_path / "b", *base, "--config.train.steps=2",
-                      f"--config.checkpoint.init_from={tmp_path / 'a'}")
-  assert f"initialized params from {tmp_path / 'a' / 'checkpoints' / '8' / 'state'}" in proc.stdout
-  first = [r for r in first if "loss" in r]
+  first = [r for r in metrics_records(uninterrupted) if "loss" in r]
+  proc, second = run_tiny(tmp_path, "--config.train.log_every=1",
+                          "--config.train.eval_every=100", "--config.optim.warmup_steps=2",
+                          f"--config.optim.decay_steps={STEPS}", "--config.train.steps=2",
+                          f"--config.checkpoint.init_from={uninterrupted}")
+  assert (f"initialized params from {uninterrupted / 'checkpoints' / str(STEPS) / 'state'}"
+          in proc.stdout)
   second = [r for r in second if "loss" in r]
   assert [r["step"] for r in second] == [1, 2]
   assert second[0]["learning_rate"] == first[0]["learning_rate"]  # the schedule restarts
-  # The same first batch, seen by trained weights: the loss is where run a left off.
+  # The same first batch, seen by trained weights: the loss is where the first run left off.
   assert second[0]["loss"] < first[0]["loss"] - 0.5
   assert abs(second[0]["loss"] - first[-1]["loss"]) < 0.5

@@ -17,8 +17,7 @@ import pytest
 from jaxtrain.config import ConfigError, load_config_file
 from jaxtrain.dryrun import command, measure, targets
 from jaxtrain.mesh import platform_of_backend
-from tests.helpers import REPO, run_main
-from tests.test_dry_run import LAST_LINE
+from tests.helpers import DRY_RUN_LAST_LINE, REPO, run_cli, run_dry_run, run_main
 
 
 @pytest.mark.parametrize("name,compiler,num_devices,chip", [
@@ -150,22 +149,33 @@ def _needs_compiler(target):
     ("v5p-8", "pallas", "tpu_custom_call"),  # our Pallas kernels, lowered to Mosaic
     ("h100x1", "cudnn", "__cudnn$fmha"),  # XLA's cuDNN fused attention
 ])
-def test_attention_kernel_is_compiled_for_the_target(name, impl, kernel, monkeypatch):
-  """measure.measure compiles through measure.compile_step once; the spy keeps the compiled
-  program, so one compile gives both the program text and the Measurement."""
+def test_cli_dry_run_compiles_the_attention_kernel_for_the_target(name, impl, kernel):
+  """`--dry_run --dry_run_target=NAME` (in this process) compiles once, through
+  measure.compile_step; the spies of run_dry_run keep the compiled program and the
+  Measurement, so one compile gives the report, the program text and the figures."""
   target = targets.parse(name)
   _needs_compiler(target)
-  steps = []
-  real_compile_step = measure.compile_step
+  run = run_dry_run("--config=configs/tiny.py", f"--dry_run_target={name}",
+                    f"--config.attention.impl={impl}", "--config.train.global_batch_size=8")
+  proc = run.cli
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert len(run.compiles) == 1 and len(run.measurements) == 1
+  (config, _, _), (compiled, setup, _, _, note, mesh_shape) = run.compiles[0]
+  m = run.measurements[0]
+  # The program of configs/tiny.py as _tiny sets it up for the target (the target itself comes
+  # from --dry_run_target, not the config).
+  assert config.to_dict() == {**_tiny(target, impl).to_dict(), "target": "cpu"}
 
-  def spy(*args, **kwargs):
-    steps.append(real_compile_step(*args, **kwargs))
-    return steps[-1]
-
-  monkeypatch.setattr(measure, "compile_step", spy)
-  m = measure.measure(_tiny(target, impl), targets.devices(target))
-  assert len(steps) == 1
-  compiled, setup, _, _, note, mesh_shape = steps[0]
+  # The command's report: the target's compiler, no XLA:CPU model of it.
+  lines = proc.stdout.strip().splitlines()
+  match = DRY_RUN_LAST_LINE.match(lines[-1])
+  assert match, lines[-1]
+  assert (match["target"], match["compiler"], match["devices"], match["fits"]) == (
+      name, target.compiler, str(target.num_devices), "yes")
+  assert float(match["temp"]) > 0
+  kernels_note = {"pallas": "our Pallas kernels", "cudnn": "cuDNN fused attention"}[impl]
+  assert f"{kernels_note}, compiled for {target.compiler.upper()}" in proc.stdout
+  assert "note:" not in proc.stdout and "emulated" not in proc.stdout
 
   called = re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())
   kernels = [c for c in called if c.startswith(kernel)]
@@ -188,25 +198,12 @@ def test_attention_kernel_is_compiled_for_the_target(name, impl, kernel, monkeyp
   assert 0.5 < m.flops * m.num_devices / analytic < 1.2
 
 
-def test_cli_dry_run_for_an_h100_target():
-  target = targets.parse("h100x8")
-  _needs_compiler(target)
-  proc = run_main("--config=configs/tiny.py", "--dry_run", "--dry_run_target=h100x8",
-                  "--config.attention.impl=pallas", "--config.train.global_batch_size=8")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  lines = proc.stdout.strip().splitlines()
-  match = LAST_LINE.match(lines[-1])
-  assert match, lines[-1]
-  assert (match["target"], match["compiler"], match["devices"], match["fits"]) == (
-      "h100x8", "gpu", "8", "yes")
-  assert float(match["temp"]) > 0
-  assert "our Pallas kernels, compiled for GPU" in proc.stdout
-  assert "note:" not in proc.stdout and "emulated" not in proc.stdout
-
-
-@pytest.mark.parametrize("flag", ["--dry_run_target=nope", "--config.target=nope"])
-def test_cli_unknown_target_is_one_line_exit_2(flag):
-  proc = run_main("--config=configs/tiny.py", "--dry_run", flag)
+# One unknown target through the real process (the exit path of `python -m jaxtrain.main`), the
+# other in this process.
+@pytest.mark.parametrize("flag,runner", [("--dry_run_target=nope", run_main),
+                                         ("--config.target=nope", run_cli)])
+def test_cli_unknown_target_is_one_line_exit_2(flag, runner):
+  proc = runner("--config=configs/tiny.py", "--dry_run", flag)
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
   assert "'nope'" in proc.stderr and "valid targets" in proc.stderr
@@ -227,7 +224,7 @@ def test_missing_compiler_falls_back_to_xla_cpu_and_says_how_to_install(monkeypa
   assert command.main(_tiny(target, "pallas"), None, "h100x8", "configs/tiny.py") == 0
   lines = capsys.readouterr().out.strip().splitlines()
   assert lines[0] == f"note: {missing}"
-  match = LAST_LINE.match(lines[-1])
+  match = DRY_RUN_LAST_LINE.match(lines[-1])
   assert match, lines[-1]
   assert (match["target"], match["compiler"], match["devices"], match["fits"]) == (
       "h100x8", "cpu", "8", "yes")
