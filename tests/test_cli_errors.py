@@ -4,9 +4,7 @@ file, an unknown flag) end in one line on stderr and exit code 2, never a traceb
 The command lines run in this process (run_cli: the same flag parsing and exit codes); one runs
 `python -m jaxtrain.main` for real, so that the exit path of the process stays tested."""
 
-
 import pytest
-from absl import app
 
 from tests.helpers import run_cli, run_main
 
@@ -90,7 +88,7 @@ def test_other_flag_errors_stay_one_line(args, words):
 
 
 def test_help_still_prints_the_usage():
-  app.define_help_flags()  # as app.run does in `python -m jaxtrain.main` before parsing
-  proc = _cli("--help")
+  # A real process: --help is absl's app.run flag (defined once per process, before parsing).
+  proc = run_main("--help", timeout=60)
   assert "--config" in proc.stdout and "--workdir" in proc.stdout, proc.stdout
   assert "error:" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
