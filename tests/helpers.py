@@ -191,11 +191,6 @@ def train_curves(config, shape, steps: int = 3, docs_per_row: int = 3) -> dict[s
   return curves
 
 
-def train_losses(config, shape, steps: int = 3, docs_per_row: int = 3) -> list[float]:
-  """The losses of `train_curves`."""
-  return train_curves(config, shape, steps, docs_per_row)["loss"]
-
-
 def logged_curves(workdir, keys=("loss", "grad_norm")) -> dict[str, list[float]]:
   """{key: values at every logged train step} from WORKDIR/metrics.jsonl."""
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
@@ -209,12 +204,6 @@ def cli_curves(workdir, *args, devices: int | None = None) -> tuple[str, dict[st
   proc = run_cli(*args, f"--workdir={workdir}", devices=devices)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return proc.stdout, logged_curves(workdir)
-
-
-def cli_losses(workdir, *args, devices: int | None = None):
-  """(stdout, logged train losses) of `cli_curves`."""
-  out, curves = cli_curves(workdir, *args, devices=devices)
-  return out, curves["loss"]
 
 
 def assert_curves_close(actual: dict, expected: dict, rtol: float = 1e-5, atol: float = 0.0):

@@ -1,6 +1,5 @@
 """Tests for the stdlib byte corpus and the Grain packing pipeline (numpy + grain, no devices)."""
 
-import json
 import math
 import os
 
@@ -8,64 +7,10 @@ import numpy as np
 import pytest
 
 from jaxtrain import data
-from jaxtrain.config import default_config
 from jaxtrain.data import pipeline
 from jaxtrain.data import stdlib_corpus
-
-T = 64
-
-
-def small_config():
-  c = default_config()
-  c.train.seq_len = T
-  c.train.global_batch_size = 4
-  c.train.eval_batches = 2
-  c.model.vocab_size = 384
-  return c
-
-
-def take(it, n):
-  return [next(it) for _ in range(n)]
-
-
-def assert_batches_equal(a, b):
-  assert len(a) == len(b)
-  for x, y in zip(a, b):
-    assert x.keys() == y.keys()
-    for k in x:
-      np.testing.assert_array_equal(x[k], y[k], err_msg=k)
-
-
-def check_batch(batch, rows):
-  """Every structural invariant of the batch format, row by row."""
-  assert set(batch) == set(data.BATCH_KEYS)
-  dtypes = {"inputs": np.int32, "targets": np.int32, "loss_mask": np.float32,
-            "segment_ids": np.int32, "positions": np.int32}
-  for k, dtype in dtypes.items():
-    assert batch[k].shape == (rows, T), k
-    assert batch[k].dtype == dtype, k
-  inputs, targets = batch["inputs"], batch["targets"]
-  seg, pos, mask = batch["segment_ids"], batch["positions"], batch["loss_mask"]
-  assert inputs.min() >= 0 and targets.max() <= stdlib_corpus.EOS_ID
-  # EOS only ever ends a piece, so it is a target, never an input.
-  assert not (inputs == stdlib_corpus.EOS_ID).any()
-  np.testing.assert_array_equal(mask, (seg > 0).astype(np.float32))
-  pad = seg == 0
-  assert not inputs[pad].any() and not targets[pad].any() and not pos[pad].any()
-  for r in range(rows):
-    n_real = int((seg[r] > 0).sum())
-    # First-fit packing leaves padding only at the end of a row.
-    assert (seg[r, :n_real] > 0).all()
-    ids = seg[r, :n_real]
-    # Segments are contiguous and numbered 1, 2, 3, ... in order.
-    np.testing.assert_array_equal(np.unique(ids), np.arange(1, ids.max() + 1) if n_real else [])
-    assert (np.diff(ids) >= 0).all()
-    for s in np.unique(ids):
-      idx = np.flatnonzero(seg[r] == s)
-      np.testing.assert_array_equal(pos[r, idx], np.arange(len(idx)))
-      # Within a piece the targets are the inputs shifted by one.
-      np.testing.assert_array_equal(inputs[r, idx[1:]], targets[r, idx[:-1]])
-
+from tests.data_helpers import (T, assert_batches_equal, assert_resumes, check_batch,
+                                small_config, take)
 
 # --- corpus -----------------------------------------------------------------------------------
 
@@ -150,19 +95,6 @@ def test_determinism_and_seed():
   c2.data.seed = 1
   other = next(data.make_train_iterator(c2))
   assert not np.array_equal(other["inputs"], next(data.make_train_iterator(c))["inputs"])
-
-
-def assert_resumes(config, before=2, after=3):
-  """`before` batches, save the state, `after` more; a new iterator restored from the state
-  gives the same `after` batches."""
-  it = data.make_train_iterator(config)
-  take(it, before)
-  # The state must survive JSON, which is how grain's Orbax handler stores it.
-  state = json.loads(json.dumps(it.get_state()))
-  expected = take(it, after)
-  resumed = data.make_train_iterator(config)
-  resumed.set_state(state)
-  assert_batches_equal(take(resumed, after), expected)
 
 
 def test_get_state_set_state_resumes():

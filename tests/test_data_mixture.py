@@ -9,7 +9,7 @@ import pytest
 from jaxtrain import data
 from jaxtrain.config import ConfigError
 from jaxtrain.data import sources
-from tests.test_data import assert_resumes, small_config, take
+from tests.data_helpers import assert_resumes, small_config, take
 
 MARK = "\u00e9"  # JSONL documents are all é (bytes 0xC3 0xA9): easy to tell from stdlib code
 

@@ -12,8 +12,8 @@ from jaxtrain.config import ConfigError
 from jaxtrain.data import sources
 from jaxtrain.data.prepare import prepare
 from jaxtrain.data.tokenizer import load_tokenizer
-from tests.test_data import assert_batches_equal, assert_resumes, check_batch, small_config, take
-from tests.test_prepare import make_docs, write_jsonl
+from tests.data_helpers import assert_batches_equal, assert_resumes, check_batch, small_config, take
+from tests.data_helpers import make_docs, write_jsonl
 
 
 def _prepare(tmp_path, name="prepared", num_docs=80, seed=0, docs_per_shard=30):

@@ -16,9 +16,9 @@ import pytest
 
 from jaxtrain import data
 from jaxtrain.data.prepare import prepare
-from tests.test_data import small_config, take
-from tests.test_data_text import WORDS
-from tests.test_prepare import make_docs, write_jsonl
+from tests.data_helpers import small_config, take
+from tests.data_helpers import GREEK_WORDS as WORDS
+from tests.data_helpers import make_docs, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N, M = 3, 4
@@ -28,7 +28,7 @@ RESTORE = """
 import json, sys
 import numpy as np
 from jaxtrain import data
-from tests.test_data import small_config
+from tests.data_helpers import small_config
 
 def main():
   overrides, state_path, out_path, m = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])

@@ -9,9 +9,10 @@ from jaxtrain import data
 from jaxtrain.config import ConfigError
 from jaxtrain.data import sources
 from tests.helpers import run_cli, run_main
-from tests.test_data import T, assert_batches_equal, assert_resumes, small_config, take
+from tests.data_helpers import GREEK_WORDS as WORDS
+from tests.data_helpers import T, assert_batches_equal, assert_resumes, small_config, take
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
 
 
 def _texts(n, seed=0):

@@ -7,10 +7,8 @@ import os
 
 import pytest
 
-from tests.helpers import SMALL_TINY_ARGS, run_tiny
+from tests.helpers import run_tiny
 
-# Also imported by tests/test_slurm.py.
-SMALL = SMALL_TINY_ARGS
 # The learning-rate schedule (compiled into the train step) of every run here: their train steps
 # are one program, compiled once per session.
 SCHEDULE = ["--config.optim.warmup_steps=10", "--config.optim.learning_rate=5e-3",
@@ -61,7 +59,7 @@ def test_prepare_then_train_on_the_shards(tmp_path):
   """JSONL + a freshly trained BPE → `python -m jaxtrain.data.prepare` → training from the
   shards (both CLIs, in this process)."""
   from jaxtrain.data import prepare  # pylint: disable=import-outside-toplevel
-  from tests.test_prepare import make_docs, train_bpe, write_jsonl  # pylint: disable=import-outside-toplevel
+  from tests.data_helpers import make_docs, train_bpe, write_jsonl  # pylint: disable=import-outside-toplevel
   docs = make_docs(600)
   corpus = write_jsonl(tmp_path / "corpus.jsonl", docs)
   tokenizer = train_bpe(str(tmp_path / "tok"), docs)

@@ -8,7 +8,7 @@ import pytest
 
 from jaxtrain.data import global_stream, packing, permutation, pipeline, stdlib_corpus
 from jaxtrain.data.sources import DataError
-from tests.test_data import check_batch
+from tests.data_helpers import check_batch
 
 
 # --- permutation --------------------------------------------------------------------------------

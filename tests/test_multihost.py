@@ -25,8 +25,8 @@ from jaxtrain.mesh import batch_rows_by_process, make_mesh
 from tests.conftest import FAST_XLA_FLAG
 from tests.helpers import (REPO, SMALL_TINY_ARGS, assert_curves_close,
                            assert_one_line_config_error, main_command, run_cli, small_config)
-from tests.test_data import assert_batches_equal, take
-from tests.test_data import small_config as small_data_config
+from tests.data_helpers import assert_batches_equal, take
+from tests.data_helpers import small_config as small_data_config
 
 SMALL = SMALL_TINY_ARGS
 

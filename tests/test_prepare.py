@@ -14,53 +14,13 @@ from jaxtrain.config import ConfigError
 from jaxtrain.data import prepare as prep
 from jaxtrain.data.sources import DataError, PreparedCorpus, write_token_shard
 from jaxtrain.data.tokenizer import load_tokenizer
+from tests.data_helpers import PROSE_WORDS as WORDS, make_docs, train_bpe, write_jsonl
 from tests.helpers import run_entry
 
-WORDS = ("the a of and to in is was for on that with as by at from it an be this are or his "
-         "which but not have had one all were they their has been more when who would will time "
-         "river mountain language model token shard corpus training data window garden music "
-         "über naïve café straße żółw 日本 данные δεδομένα").split()
 NUM_DOCS = 300
 LAST_LINE_RE = re.compile(
     r"prepare: documents=(\d+) tokens=(\d+) shards=(\d+) tokens_per_sec=(\d+)")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def make_docs(n, seed=0):
-  """English-like documents: sentences of random words, some non-ASCII, varied lengths."""
-  rng = np.random.default_rng(seed)
-  docs = []
-  for _ in range(n):
-    sentences = []
-    for _ in range(int(rng.integers(1, 6))):
-      words = rng.choice(WORDS, size=int(rng.integers(3, 15)))
-      sentences.append(" ".join(words).capitalize() + rng.choice([".", "!", "?"]))
-    docs.append(rng.choice([" ", "\n"]).join(sentences))
-  return docs
-
-
-def write_jsonl(path, docs):
-  with open(path, "w", encoding="utf-8") as f:
-    for d in docs:
-      f.write(json.dumps({"text": d, "id": len(d)}, ensure_ascii=False) + "\n")
-  return str(path)
-
-
-def train_bpe(directory, docs):
-  """A tiny byte-level BPE tokenizer.json (vocab 300, "<s>"/"</s>") with a tokenizer_config.json."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  tok.train_from_iterator(docs, trainer)
-  os.makedirs(directory, exist_ok=True)
-  path = os.path.join(directory, "tokenizer.json")
-  tok.save(path)
-  with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-    json.dump({"bos_token": "<s>", "eos_token": "</s>"}, f)
-  return path
 
 
 def shard_bytes(directory):

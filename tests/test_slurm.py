@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 
 from tests import slurm_cluster
-from tests.helpers import REPO, main_command, main_env
-from tests.test_end_to_end import SMALL
+from tests.helpers import REPO, SMALL_TINY_ARGS as SMALL, main_command, main_env
 
 pytestmark = pytest.mark.slow
 
@@ -69,11 +68,14 @@ def _log(workdir):
 
 
 def _losses(workdir):
-  """{step: loss} and {step: eval_loss} from metrics.jsonl; a step logged twice (a run killed
-  after it, resumed from an earlier checkpoint) must have the same value both times."""
+  """{step: (loss, grad_norm)} and {step: eval_loss} from metrics.jsonl; a step logged twice (a
+  run killed after it, resumed from an earlier checkpoint) must have the same values both
+  times."""
   losses, evals = {}, {}
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     for record in map(json.loads, f):
+      if "loss" in record:
+        record["loss"] = (record["loss"], record["grad_norm"])
       for key, table in (("loss", losses), ("eval_loss", evals)):
         if key in record:
           step = record["step"]
@@ -122,11 +124,13 @@ def test_sbatch_trains_like_one_process_stops_on_term_and_resumes_bitwise(cluste
   (loss1, eval1), uninterrupted = _losses(tmp_path / "one_process"), _losses(tmp_path / "two_tasks")
   loss2, eval2 = uninterrupted
   assert sorted(loss2) == sorted(loss1) == list(range(1, STEPS + 1))
-  print("step  1 process x 8   2 SLURM tasks x 4")
+  print("step  1 process x 8 (loss, grad_norm)   2 SLURM tasks x 4")
   for step in sorted(loss1):
-    print(f"{step:4d}  {loss1[step]:.7f}  {loss2[step]:.7f}")
+    print(f"{step:4d}  {loss1[step][0]:.7f} {loss1[step][1]:.7f}  "
+          f"{loss2[step][0]:.7f} {loss2[step][1]:.7f}")
   # Not bitwise: the gradient reductions over data x fsdp sum in another order when they cross
-  # processes (gloo); step 1, before any update, already differs in the 7th digit.
+  # processes (gloo); step 1, before any update, already differs in the 7th digit. Loss and
+  # gradient norm at every step.
   np.testing.assert_allclose([loss2[s] for s in loss1], list(loss1.values()), rtol=1e-5)
   np.testing.assert_allclose([eval2[s] for s in eval1], list(eval1.values()), rtol=1e-5)
 
