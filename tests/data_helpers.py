@@ -84,6 +84,14 @@ PROSE_WORDS = ("the a of and to in is was for on that with as by at from it an b
          "which but not have had one all were they their has been more when who would will time "
          "river mountain language model token shard corpus training data window garden music "
          "über naïve café straße żółw 日本 данные δεδομένα").split()
+def texts_jsonl(tmp_path, texts, name="corpus.jsonl"):
+  """TMP_PATH/NAME: one {"text", "id"} record per text; its path."""
+  path = tmp_path / name
+  path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)),
+                  encoding="utf-8")
+  return path
+
+
 def make_docs(n, seed=0):
   """English-like documents: sentences of random words, some non-ASCII, varied lengths."""
   rng = np.random.default_rng(seed)

@@ -193,8 +193,7 @@ def train_curves(config, shape, steps: int = 3, docs_per_row: int = 3) -> dict[s
 
 def logged_curves(workdir, keys=("loss", "grad_norm")) -> dict[str, list[float]]:
   """{key: values at every logged train step} from WORKDIR/metrics.jsonl."""
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    rows = [r for r in map(json.loads, f) if "loss" in r]
+  rows = [r for r in metrics_records(workdir) if "loss" in r]
   return {key: [r[key] for r in rows] for key in keys}
 
 

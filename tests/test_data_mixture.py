@@ -1,6 +1,5 @@
 """A weighted mixture of sources (data.mixture)."""
 
-import json
 
 import ml_collections
 import numpy as np
@@ -9,20 +8,13 @@ import pytest
 from jaxtrain import data
 from jaxtrain.config import ConfigError
 from jaxtrain.data import sources
-from tests.data_helpers import assert_resumes, small_config, take
+from tests.data_helpers import assert_resumes, small_config, take, texts_jsonl
 
 MARK = "\u00e9"  # JSONL documents are all é (bytes 0xC3 0xA9): easy to tell from stdlib code
 
 
-def _jsonl(tmp_path, texts, name="corpus.jsonl"):
-  path = tmp_path / name
-  path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)),
-                  encoding="utf-8")
-  return path
-
-
 def _config(tmp_path, code_weight, jsonl_weight):
-  path = _jsonl(tmp_path, [MARK * 200] * 50)
+  path = texts_jsonl(tmp_path, [MARK * 200] * 50)
   c = small_config()
   c.data.mixture = ml_collections.ConfigDict({
       "code": {"source": "stdlib_bytes", "weight": code_weight},

@@ -9,7 +9,7 @@ from jaxtrain import data
 from jaxtrain.config import ConfigError
 from jaxtrain.data import sources
 from tests.helpers import run_cli, run_main
-from tests.data_helpers import GREEK_WORDS as WORDS
+from tests.data_helpers import GREEK_WORDS as WORDS, texts_jsonl
 from tests.data_helpers import T, assert_batches_equal, assert_resumes, small_config, take
 
 
@@ -18,13 +18,6 @@ from tests.data_helpers import T, assert_batches_equal, assert_resumes, small_co
 def _texts(n, seed=0):
   rng = np.random.default_rng(seed)
   return [" ".join(rng.choice(WORDS, int(rng.integers(5, 80)))) + " é" for _ in range(n)]
-
-
-def _jsonl(tmp_path, texts, name="corpus.jsonl"):
-  path = tmp_path / name
-  path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)),
-                  encoding="utf-8")
-  return path
 
 
 def _config(path, **data_overrides):
@@ -51,7 +44,7 @@ def _check_text_batch(batch, rows):
 
 def test_jsonl_bytes_batches_are_slices_of_the_documents(tmp_path):
   texts = _texts(200)
-  c = _config(_jsonl(tmp_path, texts))
+  c = _config(texts_jsonl(tmp_path, texts))
   batches = take(data.make_train_iterator(c), 3)
   for b in batches:
     _check_text_batch(b, rows=4)
@@ -68,12 +61,12 @@ def test_jsonl_bytes_batches_are_slices_of_the_documents(tmp_path):
 
 def test_long_documents_are_split_into_pieces(tmp_path):
   texts = ["word " * 100] * 20  # 500 bytes each, many times seq_len
-  batch = next(data.make_train_iterator(_config(_jsonl(tmp_path, texts))))
+  batch = next(data.make_train_iterator(_config(texts_jsonl(tmp_path, texts))))
   assert (batch["segment_ids"] > 0).all()  # long pieces fill whole rows
 
 
 def test_resume_from_state(tmp_path):
-  assert_resumes(_config(_jsonl(tmp_path, _texts(100))))
+  assert_resumes(_config(texts_jsonl(tmp_path, _texts(100))))
 
 
 def test_text_files_and_parquet(tmp_path):
@@ -91,14 +84,14 @@ def test_text_files_and_parquet(tmp_path):
 
 
 def test_model_vocab_smaller_than_tokenizer(tmp_path):
-  c = _config(_jsonl(tmp_path, _texts(20)))
+  c = _config(texts_jsonl(tmp_path, _texts(20)))
   c.model.vocab_size = 257  # the byte tokenizer emits 258 ids (BOS is 257)
   with pytest.raises(ConfigError, match=r"model.vocab_size=257.*258"):
     data.make_train_iterator(c)
 
 
 def test_missing_field_names_file_and_line(tmp_path):
-  path = _jsonl(tmp_path, _texts(1))
+  path = texts_jsonl(tmp_path, _texts(1))
   with open(path, "a", encoding="utf-8") as f:
     f.write(json.dumps({"body": "no text field"}) + "\n")
   c = _config(path, eval_paths=str(path))
@@ -109,7 +102,7 @@ def test_missing_field_names_file_and_line(tmp_path):
 
 @pytest.mark.slow
 def test_cli_malformed_jsonl_exits_2_naming_the_line(tmp_path):
-  path = _jsonl(tmp_path, _texts(3))
+  path = texts_jsonl(tmp_path, _texts(3))
   with open(path, "a", encoding="utf-8") as f:
     f.write('{"text": "unterminated\n')
   data_flags = ["--config=configs/tiny.py", "--config.data.source=jsonl",
@@ -162,7 +155,7 @@ def test_chat_loss_only_on_assistant_turns(tmp_path):
   assert b"pong" in trained and b"ping" not in trained
 
 
-def test_fine_tuning_formats_need_jsonl(tmp_path):
+def test_fine_tuning_formats_needtexts_jsonl(tmp_path):
   c = _config(tmp_path / "x.txt", source="text", format="chat")
   with pytest.raises(ConfigError, match="data.format='chat'.*jsonl"):
     data.make_train_iterator(c)
