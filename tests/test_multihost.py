@@ -418,11 +418,17 @@ def test_dead_or_hung_process_stops_the_other_within_the_timeout(tmp_path, victi
     out = _tail(log, 20000)
     assert rc != 0, out[-3000:]
     assert elapsed < HEARTBEAT_S + 20, elapsed
+    # JAX's coordination service reports a dead peer (killed: its connection closes; hung: its
+    # heartbeats stop) by terminating the survivor with a message that says so; a killed peer
+    # may first break the collective the survivor waits in, which the CLI reports itself. Which
+    # comes first is a race between two threads; each way names the cause.
+    jax_terminated = "another task died" in out or "stopped sending heartbeats" in out
     if how == signal.SIGKILL:
-      assert f"process {1 - victim}/2 on {socket.gethostname()}: error:" in out, out[-3000:]
-      assert "another process of this run probably died" in out
+      cli_reported = (f"process {1 - victim}/2 on {socket.gethostname()}: error:" in out
+                      and "another process of this run probably died" in out)
+      assert cli_reported or jax_terminated, out[-3000:]
     else:
-      assert "stopped sending heartbeats" in out or "another task died" in out, out[-3000:]
+      assert jax_terminated, out[-3000:]
   finally:
     for p, log in procs:
       if p.poll() is None:
