@@ -80,6 +80,18 @@ def test_last_line_is_machine_readable_and_params_are_exact(fsdp2):
   assert "layers.mlp.w_up_DF" in text and "P('stage', ('fsdp', 'context'), 'tensor')" in text
 
 
+def test_the_report_lists_the_largest_temporaries_at_the_memory_peak(fsdp2):
+  result, lines = fsdp2
+  peak = result.base.breakdown
+  assert peak is not None and peak.temp_bytes == result.base.temp  # XLA:CPU: the same figure
+  start = next(i for i, line in enumerate(lines) if line.startswith("largest temporaries"))
+  rows = lines[start + 1:start + 1 + min(command.PEAK_ROWS, len(peak.temporaries()))]
+  largest = peak.temporaries()[0]
+  assert largest.shape in rows[0] and largest.opcode in rows[0], rows
+  # The layers' saved inputs (remat 'full': one [B, T, D] per layer) are among them.
+  assert any("forward" in row for row in rows), rows
+
+
 def test_param_bytes_halve_when_fsdp_doubles(fsdp2):
   base2 = fsdp2[0].base
   base4 = aot.measure(_dry_config(4), jax.devices()[:4])

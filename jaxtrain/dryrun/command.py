@@ -29,6 +29,7 @@ import time
 from jaxtrain import metrics, objectives, pipeline
 from jaxtrain.config import ConfigError
 from jaxtrain.config_checks import validate
+from jaxtrain.dryrun import breakdown
 from jaxtrain.dryrun import measure as aot
 from jaxtrain.dryrun import suggestions, targets
 from jaxtrain.dryrun.targets import GIB, Target, format_bytes, verdict
@@ -124,7 +125,7 @@ def run(config, devices, target: Target | None, config_name: str = "", out=None)
   devices), prints the report through `out`, returns the figures."""
   out = out or (lambda line: print(line, flush=True))
   start = time.perf_counter()
-  base = aot.measure(config, devices, _platform_for(devices, target))
+  base = aot.measure(config, devices, _platform_for(devices, target), with_breakdown=True)
   table = memories_for(target, config)
   judged_name, judged = next(iter(table.items()))
   fits = verdict(judged, base.total).fits
@@ -167,6 +168,28 @@ def last_line(m: aot.Measurement, target: Target | None, fits: bool) -> str:
 def _number(x: float) -> str:
   """Four decimals for GiB-sized figures, six significant digits for tiny test models."""
   return f"{x:.4f}" if x >= 0.1 else f"{x:.6g}"
+
+
+PEAK_ROWS = 12
+
+
+def _peak_lines(m: aot.Measurement) -> list[str]:
+  """The largest temporaries live at the memory peak, from the compiler's buffer assignment
+  (breakdown.py): what to shrink when a config does not fit."""
+  b = m.breakdown
+  if b is None:
+    return []
+  temps = b.temporaries()
+  lines = ["", f"largest temporaries at the memory peak ({_compiler_name(m)}'s buffer "
+               f"assignment; {format_bytes(b.peak_bytes)} live there, arguments included):"]
+  for t in temps[:PEAK_ROWS]:
+    lines.append(f"  {format_bytes(t.size):>11}  {t.shape:<26} {t.opcode:<12} "
+                 f"{breakdown.describe_source(t.source)}")
+  rest = temps[PEAK_ROWS:]
+  if rest:
+    lines.append(f"  {format_bytes(sum(t.size for t in rest)):>11}  {len(rest)} smaller "
+                 f"buffers")
+  return lines
 
 
 def _compiler_name(m: aot.Measurement) -> str:
@@ -227,7 +250,9 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
       f"  optimizer state  {format_bytes(m.opt_device):>11}  exact (device memory)",
       f"  batch            {format_bytes(m.batch):>11}  exact",
       f"  temporaries      {format_bytes(m.temp):>11}  from {_compiler_name(m)}"
-      + (" (see the note)" if m.backend != m.platform else ""),
+      + (" (see the note)" if m.backend != m.platform else "")
+      + (f"'s buffer assignment (its memory_analysis() says {format_bytes(m.reported_temp)})"
+         if m.reported_temp is not None else ""),
       f"  new outputs      {format_bytes(m.outputs):>11}  outputs not written over the donated "
       f"state",
       f"  total            {format_bytes(m.total):>11}  device memory needed",
@@ -243,6 +268,7 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
         "  GPU/TPU compilers fuse and schedule differently, and XLA:CPU computes bfloat16",
         "  matmuls in float32 (their transient buffers are larger than on an accelerator).",
     ]
+  lines += _peak_lines(m)
   analytic = aot.analytic_flops_per_step(config)
   n = m.num_devices
   xla = ("not reported by this compiler" if m.xla_flops != m.xla_flops  # NaN: GPU deviceless

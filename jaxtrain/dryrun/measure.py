@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import math
 import re
+import tempfile
 import time
 
 import jax
@@ -30,6 +31,7 @@ import numpy as np
 from jaxtrain import objectives, train_setup
 from jaxtrain.attention import context_kernel_platform, impl_under_stages
 from jaxtrain.config_checks import validate
+from jaxtrain.dryrun import breakdown as breakdown_lib
 from jaxtrain.dryrun import hlo_flops
 from jaxtrain.mesh import MeshShape, make_mesh, platform_of_backend
 from jaxtrain.model import ModelConfig
@@ -76,6 +78,10 @@ class Measurement:
   remat_note: str = ""
   # Of `params`: weights that do not train (the LoRA/QLoRA base, the DPO reference), exact.
   frozen: int = 0
+  # The buffers live at the memory peak (breakdown.py), when asked for; and the compiler's
+  # memory_analysis() temporaries where `temp` comes from the buffer assignment instead.
+  breakdown: breakdown_lib.Breakdown | None = None
+  reported_temp: int | None = None
 
   @property
   def total(self) -> int:
@@ -125,8 +131,10 @@ def modelled_model_config(config, backend: str, platform: str) -> tuple[ModelCon
   return dataclasses.replace(cfg, platform=backend), note
 
 
-def measure(config, devices, platform: str | None = None) -> Measurement:
-  """Compiles the train step of `config` for a mesh over `devices` and measures it.
+def measure(config, devices, platform: str | None = None, *,
+            with_breakdown: bool = False) -> Measurement:
+  """Compiles the train step of `config` for a mesh over `devices` and measures it;
+  `with_breakdown`: with the buffers live at the memory peak (`Measurement.breakdown`).
 
   XLA:CPU accepts the host-offload remat policies but keeps the offloaded activations in its one
   memory, so on CPU an `*_offload` policy is modelled from a second compile with `full` remat
@@ -136,7 +144,7 @@ def measure(config, devices, platform: str | None = None) -> Measurement:
   `platform` is what the run is for (default: the devices' own platform); CPU devices with an
   accelerator platform model it (see the module docstring).
   """
-  m = _compile_and_measure(config, devices, platform)
+  m = _compile_and_measure(config, devices, platform, with_breakdown)
   policy = config.model.remat_policy
   if m.backend == "cpu" and m.platform != "cpu" and policy.endswith("_offload"):
     full = copy.deepcopy(config)
@@ -163,10 +171,10 @@ def _param_shards(tree, prefix: str = "") -> list[ParamShard]:
           for path, a in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-def compile_step(config, devices, platform: str | None = None):
+def compile_step(config, devices, platform: str | None = None, dump_dir: str | None = None):
   """(compiled train step, setup, abstract state, abstract batch, attention note, mesh shape):
   the step of `config` compiled for a mesh over `devices` on abstract inputs; allocates
-  nothing."""
+  nothing. `dump_dir`: where the compiler writes what breakdown.read needs."""
   backend = platform_of_backend(devices[0].platform)
   platform = platform or backend
   mesh_shape = validate(config, len(devices), platform)
@@ -176,8 +184,10 @@ def compile_step(config, devices, platform: str | None = None):
   setup = train_setup.build(config, mesh, model_cfg)
   # Options that leave buffers and FLOPs as they are but halve XLA:CPU's compile time are only
   # for programs that never run (a model of an accelerator).
-  options = _CPU_COMPILE_OPTIONS if backend == "cpu" and platform != "cpu" else None
-  compiled, state, batch = compile_setup(setup, config, options)
+  options = dict(_CPU_COMPILE_OPTIONS) if backend == "cpu" and platform != "cpu" else {}
+  if dump_dir is not None:
+    options.update(breakdown_lib.compile_options(dump_dir))
+  compiled, state, batch = compile_setup(setup, config, options or None)
   return compiled, setup, state, batch, attention_note, mesh_shape
 
 
@@ -250,21 +260,30 @@ def compiled_bytes(compiled) -> tuple[int, int]:
           max(0, int(memory.output_size_in_bytes) - int(memory.alias_size_in_bytes)))
 
 
-def _compile_and_measure(config, devices, platform: str | None = None) -> Measurement:
-  start = time.perf_counter()
-  try:
-    compiled, setup, state, batch, attention_note, mesh_shape = compile_step(
-        config, devices, platform)
-  except CompilerOutOfMemory as e:
-    return _refused(config, devices, platform, e, time.perf_counter() - start)
-  compile_s = time.perf_counter() - start
+def _compile_and_measure(config, devices, platform: str | None = None,
+                         with_breakdown: bool = False) -> Measurement:
   backend = platform_of_backend(devices[0].platform)
+  # libtpu's memory_analysis() over-reports temporaries (breakdown.py): TPU compiles always
+  # read the buffer assignment.
+  dump = with_breakdown or backend == "tpu"
+  with tempfile.TemporaryDirectory(prefix="jaxtrain-xla-dump-") as dump_dir:
+    start = time.perf_counter()
+    try:
+      compiled, setup, state, batch, attention_note, mesh_shape = compile_step(
+          config, devices, platform, dump_dir=dump_dir if dump else None)
+    except CompilerOutOfMemory as e:
+      return _refused(config, devices, platform, e, time.perf_counter() - start)
+    compile_s = time.perf_counter() - start
+    found = breakdown_lib.read(dump_dir) if dump else None
 
   exact = state_bytes(state)
   param_shards = _param_shards(state.params)
   frozen_shards = _param_shards(state.frozen, "frozen.") if state.frozen is not None else []
   memory = compiled.memory_analysis()
   temp, outputs = compiled_bytes(compiled)
+  reported_temp = None
+  if backend == "tpu" and found is not None and found.temp_bytes != temp:
+    reported_temp, temp = temp, found.temp_bytes
   counted = hlo_flops.count(compiled.as_text())
   cost = compiled.cost_analysis()  # None for deviceless GPU compiles
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
@@ -278,7 +297,8 @@ def _compile_and_measure(config, devices, platform: str | None = None) -> Measur
       flops=counted.flops, xla_flops=float(cost.get("flops", np.nan)),
       loops_without_trip_count=counted.loops_without_trip_count, compile_s=compile_s,
       param_shards=param_shards + frozen_shards, attention_note=attention_note,
-      frozen=exact.frozen, act_host=act_host)
+      frozen=exact.frozen, act_host=act_host,
+      breakdown=found if with_breakdown else None, reported_temp=reported_temp)
 
 
 def _refused(config, devices, platform, e: CompilerOutOfMemory, compile_s: float) -> Measurement:

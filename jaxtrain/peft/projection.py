@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.peft.quantize import QuantizedWeight
+from jaxtrain.weight_cast import to_compute_dtype
 
 
 def dense(x_BTI: jax.Array, w_IO: jax.Array, explicit_transpose_for_dw: bool = False
@@ -70,7 +71,7 @@ def weight_value(weight, dtype) -> jax.Array:
   """A projection's base weight [*I, *O] in the compute dtype (dequantized if stored so)."""
   if isinstance(weight, QuantizedWeight):
     return weight.dequantize(dtype)
-  return weight[...].astype(dtype)
+  return to_compute_dtype(weight[...], dtype)
 
 
 def project(x_BTI: jax.Array, weight, adapter=None, *, dtype, dropout_key=None,
