@@ -307,6 +307,25 @@ def test_hlo_flops_count_every_loop_iteration():
   assert counted.loops == 1 and counted.loops_without_trip_count == 0
 
 
+def test_hlo_flops_count_only_the_window_taps_that_read_the_input():
+  """libtpu writes a [T, D] x [D, H, E] projection as a convolution whose window spans the
+  heads over a padded input of size 1 (one tap of H reads data), and a contraction over a dim
+  as a window as wide as its input (every tap reads data)."""
+  hlo = """HloModule m
+
+ENTRY %main (x: bf16[16,8,1], w: bf16[4,8,8], y: bf16[16,4,8], v: bf16[4,8,8]) -> bf16[16,8,1] {
+  %x = bf16[16,8,1]{2,1,0} parameter(0)
+  %w = bf16[4,8,8]{2,1,0} parameter(1)
+  %heads = bf16[16,4,8]{2,1,0} convolution(%x, %w), window={size=4 pad=3_3 rhs_reversal=1}, dim_labels=bf0_0oi->b0f
+  %y = bf16[16,4,8]{2,1,0} parameter(2)
+  %v = bf16[4,8,8]{2,1,0} parameter(3)
+  ROOT %back = bf16[16,8,1]{2,1,0} convolution(%y, %v), window={size=4}, dim_labels=b0f_0io->bf0
+}
+"""
+  t, d, h, e = 16, 8, 4, 8
+  assert hlo_flops.count(hlo).flops == 2 * t * d * h * e + 2 * t * e * h * d
+
+
 @pytest.mark.slow  # two interpreters: the command and the one it re-runs
 def test_cli_reruns_itself_with_emulated_devices():
   """The real process (the point: a process's CPU device count is fixed when JAX starts, so the

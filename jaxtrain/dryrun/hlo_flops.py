@@ -166,8 +166,17 @@ def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str | None, int, int
   return computations, entry, loops, unknown
 
 
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+
+
 def _convolution_flops(shapes, name: str, op_text: str) -> float:
-  """2 * output elements * (input features x kernel window) of a convolution."""
+  """2 * multiply-adds of a convolution: per output element, input features x the window taps
+  that land on the input rather than its padding.
+
+  libtpu rewrites matmuls with a batch-like dim (the heads of a [D, H, E] projection) into
+  convolutions whose window spans that dim over an input of size 1, padded on both sides
+  (`window={size=32 pad=31_31 rhs_reversal=1}`): all taps but one read padding, so counting
+  the whole window would count those matmuls 32 times over."""
   labels = _DIM_LABELS.search(op_text)
   operands = _operands(op_text)
   out = shapes.get(name)
@@ -176,10 +185,42 @@ def _convolution_flops(shapes, name: str, op_text: str) -> float:
   lhs, rhs = shapes.get(operands[0]), shapes.get(operands[1])
   if lhs is None or rhs is None:
     return 0.0
-  lhs_labels, rhs_labels = labels.group(1), labels.group(2)
+  lhs_labels, rhs_labels, out_labels = labels.groups()
   features = lhs[lhs_labels.index("f")] if "f" in lhs_labels else 1
-  window = math.prod(rhs[i] for i, c in enumerate(rhs_labels) if c.isdigit())
-  return 2.0 * math.prod(out) * features * window
+  groups = re.search(r"feature_group_count=(\d+)", op_text)
+  features //= int(groups.group(1)) if groups else 1
+  window = _parse_window(op_text)
+  spatial = sorted(c for c in rhs_labels if c.isdigit())
+  per_output_row = math.prod(out) / max(1, math.prod(out[out_labels.index(d)] for d in spatial))
+  taps = 1
+  for i, d in enumerate(spatial):
+    size = rhs[rhs_labels.index(d)]
+    pad = window[i] if i < len(window) else (0, 0)
+    taps *= _valid_taps(lhs[lhs_labels.index(d)], size, out[out_labels.index(d)], *pad)
+  return 2.0 * per_output_row * features * taps
+
+
+def _parse_window(op_text: str) -> list[tuple[int, int]]:
+  """(low, high) padding of each spatial dim; [] without padding (or strides and dilations,
+  which the matmul rewrites do not use: then every tap counts)."""
+  found = _WINDOW.search(op_text)
+  if not found or "stride" in found.group(1) or "dilate" in found.group(1):
+    return []
+  pads = re.search(r"pad=([\d_x\-]+)", found.group(1))
+  if not pads:
+    return []
+  return [tuple(int(v) for v in p.split("_")) for p in pads.group(1).split("x")]
+
+
+def _valid_taps(size_in: int, window: int, size_out: int, pad_low: int, pad_high: int) -> int:
+  """(output position, window tap) pairs of a stride-1 convolution dim that read the input."""
+  del pad_high  # the output size already accounts for it
+  count = 0
+  for i in range(size_in):  # input i is read by tap j at output o = i + pad_low - j
+    first = max(0, i + pad_low - size_out + 1)
+    last = min(window - 1, i + pad_low)
+    count += max(0, last - first + 1)
+  return count
 
 
 def _per_run(computations: dict[str, _Computation], entry: str | None,
