@@ -3,8 +3,8 @@
 Target: 32 hosts of 8 H100s (h100x256); fsdp over all 256 GPUs, which leaves each 5.9 GiB of
 float32 weights. Global batch 1024 x 8192 tokens as 4 microbatches of 1 sequence per GPU, full
 remat and bfloat16 Adam moments: 66.9 GiB of the H100's 79.1 GiB by the exact compile (float32
-moments: 72.9 GiB, under the 10% headroom). A v5p-512 slice (256 chips of 95.7 GiB) needs
-107 GiB per chip with the same settings: its compiler keeps more temporaries.
+moments: 72.9 GiB, under the 10% headroom). The same settings fit a v5p-512 slice (256 chips
+of 95.7 GiB) too: 78.1 GiB per chip (`--dry_run --dry_run_target=v5p-512`).
 
 Architecture as published. Override on the command line, e.g. --config.mesh.tensor=8, or
 --config.target=... with --dry_run to size it for other hardware.
