@@ -72,8 +72,8 @@ def _bf16_weight_stacks_at_peak(monkeypatch, cast):
   if targets.compiler_missing(target):
     pytest.skip(targets.compiler_missing(target))
   monkeypatch.setattr("jaxtrain.peft.projection.to_compute_dtype", cast)
-  # Weights large enough that libtpu keeps them in device memory rather than prefetching.
-  config = small_config(remat_policy="full", d_model=512, mlp_dim=2048, head_dim=64)
+  # Weights large enough for libtpu to make the copies (at D=64 it does not).
+  config = small_config(remat_policy="full", d_model=256, mlp_dim=1024, head_dim=32)
   config.mesh.fsdp, config.train.global_batch_size = 4, 4
   m = measure.measure(config, targets.devices(target), with_breakdown=True)
   assert m.breakdown is not None and m.temp == m.breakdown.temp_bytes
@@ -86,5 +86,5 @@ def test_stacked_weights_are_cast_per_layer_not_copied_whole(monkeypatch):
   # With a plain astype, libtpu's bfloat16 propagation makes one bfloat16 copy of each whole
   # [L, ...] weight before the layer loops, live through the step; the per-layer cast does not.
   hoisted = _bf16_weight_stacks_at_peak(monkeypatch, lambda w, dtype: w.astype(dtype))
-  assert any(b.opcode == "convert" for b in hoisted), hoisted
+  assert len(hoisted) >= 3, hoisted  # at least the MLP's three
   assert _bf16_weight_stacks_at_peak(monkeypatch, weight_cast.to_compute_dtype) == []

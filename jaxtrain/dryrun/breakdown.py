@@ -156,7 +156,10 @@ def _parse_instructions(lines) -> dict[str, tuple[str, str]]:
   named = {}
   for name, (opcode, op_name) in found.items():
     source = op_name or origin(name)
-    named[name] = (opcode, source if op_name or not source else f"{opcode} of {source}")
+    if not source and opcode == "parameter":
+      source = "loop state"  # a nested computation's parameter: what a loop carries
+    named[name] = (opcode, source if op_name or not source or opcode == "parameter"
+                   else f"{opcode} of {source}")
   found = named
   return found
 
