@@ -4,7 +4,8 @@ The step is built by the trainer's own `build` (abstract model -> shardings -> o
 `make_train_step` -> `jit_train_step`, with its in/out shardings and donated state), then lowered
 with `jax.ShapeDtypeStruct` inputs that carry those shardings, so no weight is ever allocated.
 Parameter and optimizer bytes per device are exact (shard shapes times itemsizes); temporaries
-and outputs come from the compiler's `memory_analysis()`; FLOPs from the optimized HLO
+and outputs come from the compiler's `memory_analysis()`, except TPU temporaries, which are read
+from libtpu's buffer assignment (breakdown.py says why); FLOPs from the optimized HLO
 (`hlo_flops`) and from XLA's own `cost_analysis()`.
 
 The devices decide the compiler: a deviceless target's (targets.devices: XLA's GPU compiler,
