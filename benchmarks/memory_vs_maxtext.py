@@ -55,7 +55,10 @@ def find_python312(explicit: str | None) -> str:
       [shutil.which("python3.12"), shutil.which("python3.13")]
       + sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.1[23]*/bin/python3.1[23]"))))
   for candidate in candidates:
-    if candidate and os.path.exists(candidate):
+    # Runs, and is >= 3.12 (a pyenv shim on PATH exists but fails for an inactive version).
+    if candidate and subprocess.run(
+        [candidate, "-c", "import sys; sys.exit(sys.version_info < (3, 12))"],
+        capture_output=True).returncode == 0:
       return candidate
   sys.exit("memory_vs_maxtext: MaxText 0.2.5 needs Python >= 3.12; none found (python3.12 on "
            "PATH or under ~/.pyenv). Pass --python=/path/to/python3.12")
