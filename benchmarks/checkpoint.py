@@ -20,7 +20,7 @@ import numpy as np
 from jaxtrain import data, train_setup
 from jaxtrain.checkpoint import Checkpointer, abstract_like
 from jaxtrain.config import load_config_file
-from jaxtrain.mesh import make_mesh
+from jaxtrain.parallel.mesh import make_mesh
 from jaxtrain.metrics import count_params
 
 

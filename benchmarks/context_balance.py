@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import attention_tiles as tiles
-from jaxtrain.context_parallel import global_positions
+from jaxtrain.parallel.context_parallel import global_positions
 
 
 def tiles_per_device(length: int, shards: int, balanced: bool, tile: int) -> np.ndarray:

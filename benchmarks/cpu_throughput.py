@@ -48,7 +48,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 from jaxtrain import metrics as metrics_lib  # pylint: disable=wrong-import-position
 from jaxtrain import train_setup, trainer  # pylint: disable=wrong-import-position
 from jaxtrain.config import default_config  # pylint: disable=wrong-import-position
-from jaxtrain.mesh import make_mesh  # pylint: disable=wrong-import-position
+from jaxtrain.parallel.mesh import make_mesh  # pylint: disable=wrong-import-position
 from jaxtrain.train_step import batch_shardings  # pylint: disable=wrong-import-position
 
 SHAPES = {  # name: (d_model, layers, heads, mlp)

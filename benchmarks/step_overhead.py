@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxtrain import train_setup, trainer
 from jaxtrain.config import default_config
-from jaxtrain.mesh import LOGICAL_RULES, make_mesh
+from jaxtrain.parallel.mesh import LOGICAL_RULES, make_mesh
 from jaxtrain.model import Llama, ModelConfig
 from jaxtrain.cross_entropy import chunked_cross_entropy
 

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.blockwise_attention import blockwise_attention
-from jaxtrain.context_attention import context_attention
-from jaxtrain.context_parallel import context_size
-from jaxtrain.pipeline import stage_count
-from jaxtrain.mesh import logical_to_spec
+from jaxtrain.parallel.context_attention import context_attention
+from jaxtrain.parallel.context_parallel import context_size
+from jaxtrain.parallel.pipeline import stage_count
+from jaxtrain.parallel.mesh import logical_to_spec
 from kernels_pallas.flash_attention import current_platform, flash_attention
 
 IMPLS = ("xla", "pallas", "cudnn", "auto")
@@ -151,7 +151,7 @@ def attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, impl="xla", causal
   mesh's); it resolves `auto` and picks the kernels' route. `interpret`, `block_q` and `block_k`
   apply to `pallas` only. Under a mesh whose `context` axis is > 1 the sequence is split over it
   (in the layout `load_balance` names) and `context_parallel` says how attention crosses the
-  split (jaxtrain.context_attention: our Pallas kernels per chunk pair on GPU, exact jnp tiles
+  split (jaxtrain.parallel.context_attention: our Pallas kernels per chunk pair on GPU, exact jnp tiles
   elsewhere).
   """
   platform = platform or current_platform()

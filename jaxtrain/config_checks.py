@@ -10,10 +10,10 @@ import math
 import os
 
 from jaxtrain.dryrun import targets
-from jaxtrain.context_parallel import STRATEGIES as CONTEXT_STRATEGIES
+from jaxtrain.parallel.context_parallel import STRATEGIES as CONTEXT_STRATEGIES
 from jaxtrain import objectives
-from jaxtrain.pipeline import resolve_microbatches
-from jaxtrain.mesh import (DCN_AXES, MESH_AXES, MeshShape, check_divides,
+from jaxtrain.parallel.pipeline import resolve_microbatches
+from jaxtrain.parallel.mesh import (DCN_AXES, MESH_AXES, MeshShape, check_divides,
                            resolve_shape)
 from jaxtrain.config import (ATTENTION_IMPLS, DTYPES, LORA_TARGETS, OBJECTIVES, REMAT_POLICIES,
                              ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError)
@@ -75,7 +75,7 @@ def _check_context(config, mesh: MeshShape):
 
 
 def _check_pipeline(config, mesh: MeshShape):
-  """mesh.stage and pipeline.* against the layers and the batch (jaxtrain.pipeline)."""
+  """mesh.stage and pipeline.* against the layers and the batch (jaxtrain.parallel.pipeline)."""
   p, m, t = config.pipeline, config.model, config.train
   if p.repeats < 1:
     raise ConfigError(f"pipeline.repeats={p.repeats}: must be >= 1 (1: no circular schedule)")

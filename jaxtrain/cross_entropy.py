@@ -19,8 +19,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.context_parallel import context_size
-from jaxtrain.mesh import shard
+from jaxtrain.parallel.context_parallel import context_size
+from jaxtrain.parallel.mesh import shard
 from jaxtrain.peft.projection import transposed_input_matmul
 
 

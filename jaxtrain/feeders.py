@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxtrain.mesh import batch_sharding
+from jaxtrain.parallel.mesh import batch_sharding
 
 
 def to_global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:

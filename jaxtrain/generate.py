@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.mesh import shard
+from jaxtrain.parallel.mesh import shard
 from jaxtrain.model import Llama, apply_rope, rope_inv_freq
 from jaxtrain.peft.projection import project
 

@@ -35,7 +35,7 @@ def load(checkpoint: str, config_path: str | None = None):
   from jaxtrain import checkpoint as ckpt_lib  # pylint: disable=import-outside-toplevel
   from jaxtrain import run_weights  # pylint: disable=import-outside-toplevel
   from jaxtrain.config import ConfigError, load_config_file  # pylint: disable=import-outside-toplevel
-  from jaxtrain.mesh import make_mesh  # pylint: disable=import-outside-toplevel
+  from jaxtrain.parallel.mesh import make_mesh  # pylint: disable=import-outside-toplevel
   from jaxtrain.model import ModelConfig  # pylint: disable=import-outside-toplevel
 
   if not os.path.isdir(checkpoint):

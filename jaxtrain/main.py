@@ -89,7 +89,7 @@ def main(argv):
   from jaxtrain import distributed  # pylint: disable=import-outside-toplevel
   from jaxtrain.config import ConfigError  # pylint: disable=import-outside-toplevel
   from jaxtrain.config_checks import validate  # pylint: disable=import-outside-toplevel
-  from jaxtrain.mesh import num_slices  # pylint: disable=import-outside-toplevel
+  from jaxtrain.parallel.mesh import num_slices  # pylint: disable=import-outside-toplevel
   from jaxtrain import trainer  # pylint: disable=import-outside-toplevel
   from jaxtrain.health import TrainingHealthError  # pylint: disable=import-outside-toplevel
   from jaxtrain.data.sources import DataError  # pylint: disable=import-outside-toplevel

@@ -26,10 +26,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain import attention as attention_lib
-from jaxtrain import context_parallel
-from jaxtrain import pipeline as pipeline_lib
+from jaxtrain.parallel import context_parallel
+from jaxtrain.parallel import pipeline as pipeline_lib
 from jaxtrain.config import lora_targets as config_lora_targets, resolve_compute_dtype
-from jaxtrain.mesh import gathered_spec, platform_of_backend, shard
+from jaxtrain.parallel.mesh import gathered_spec, platform_of_backend, shard
 from jaxtrain.peft import lora as lora_lib
 from jaxtrain.peft.projection import project
 from jaxtrain.peft.quantize import QuantizedWeight
@@ -55,11 +55,11 @@ class ModelConfig:
   attention_impl: str = "xla"
   attention_interpret: bool = False  # pallas: run the kernels in the Pallas interpreter
   attention_blocks: tuple[int, int] = (0, 0)  # pallas: (block_q, block_k); 0 = the default
-  # Under a mesh with a `context` axis > 1 (jaxtrain.context_parallel): how attention crosses
+  # Under a mesh with a `context` axis > 1 (jaxtrain.parallel.context_parallel): how attention crosses
   # the split sequence, and whether the sequence is in the load-balanced layout.
   context_parallel: str = "all_gather"
   context_load_balance: bool = True
-  # Under a mesh with a `stage` axis > 1 (jaxtrain.pipeline): microbatches per pass (0: as many
+  # Under a mesh with a `stage` axis > 1 (jaxtrain.parallel.pipeline): microbatches per pass (0: as many
   # as stages) and circular repeats.
   pipeline_microbatches: int = 0
   pipeline_repeats: int = 1
@@ -349,7 +349,7 @@ class Llama(nnx.Module):
   def sequence_layout(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """The [B, T] arrays of `batch` in the order `hidden_states` expects under the current mesh:
     unchanged, unless a `context` axis > 1 splits the sequence in the load-balanced layout
-    (jaxtrain.context_parallel). Any per-token arrays (targets, loss masks) go through together,
+    (jaxtrain.parallel.context_parallel). Any per-token arrays (targets, loss masks) go through together,
     so per-token losses pair up as before."""
     return context_parallel.to_layout(batch, context_parallel.context_size(),
                                       self.cfg.context_load_balance)
@@ -402,7 +402,7 @@ class Llama(nnx.Module):
     return self.final_norm(x_BTD)
 
   def _pipelined(self, x_BTD, positions_BT, segment_ids_BT, layer_keys, stages: int):
-    """The layers as pipeline stages over the mesh's `stage` axis (jaxtrain.pipeline): the batch
+    """The layers as pipeline stages over the mesh's `stage` axis (jaxtrain.parallel.pipeline): the batch
     is cut into microbatches (strided, so each spans every data-parallel device), which flow
     through the stages; the result is the same as the plain scan's."""
     cfg = self.cfg
@@ -413,7 +413,7 @@ class Llama(nnx.Module):
     graphdef, state = nnx.split(self.layers)
     remat = cfg.remat_policy != "none"
     # Each layer under its policy by name (the stage vmap gives every matmul a batch dim), and
-    # each pipeline iteration under remat (jaxtrain.pipeline): the backward pass keeps every
+    # each pipeline iteration under remat (jaxtrain.parallel.pipeline): the backward pass keeps every
     # iteration's stage inputs and recomputes one iteration at a time, so what the layer policy
     # saves is held for one microbatch, not all of them.
     policy = remat_policy(cfg.remat_policy, by_name=True) if remat else None

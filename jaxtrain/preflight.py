@@ -22,7 +22,7 @@ import jax
 from jaxtrain import train_setup
 from jaxtrain.dryrun import measure
 from jaxtrain.dryrun.targets import GIB, USABLE_FRACTION, host_available_bytes
-from jaxtrain.mesh import BATCH_AXES
+from jaxtrain.parallel.mesh import BATCH_AXES
 from jaxtrain.train_setup import Setup
 
 

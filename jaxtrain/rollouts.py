@@ -32,7 +32,7 @@ from jaxtrain.data import pipeline as data_pipeline
 from jaxtrain.data import prompts as prompts_lib
 from jaxtrain.data.sources.common import DataError
 from jaxtrain.feeders import Feeder, to_global_batch
-from jaxtrain.mesh import BATCH_AXES, batch_sharding, replicated
+from jaxtrain.parallel.mesh import BATCH_AXES, batch_sharding, replicated
 from jaxtrain.train_step import merge_model
 
 COMPLETIONS_FILE = "completions.jsonl"

@@ -11,7 +11,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxtrain.mesh import LOGICAL_RULES
+from jaxtrain.parallel.mesh import LOGICAL_RULES
 from jaxtrain.model import Llama, ModelConfig
 
 

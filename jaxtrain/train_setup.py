@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jaxtrain import objectives, optim
 from jaxtrain.checkpoint import abstract_like
 from jaxtrain.config import ConfigError
-from jaxtrain.mesh import mesh_platform
+from jaxtrain.parallel.mesh import mesh_platform
 from jaxtrain.model import ModelConfig
 from jaxtrain.objectives import LanguageModel, Objective
 from jaxtrain.sharding import abstract_model, init_params_fn

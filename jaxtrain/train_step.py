@@ -18,9 +18,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxtrain import objectives
 from jaxtrain.cross_entropy import chunked_cross_entropy
-from jaxtrain.mesh import batch_sharding, replicated, shard
+from jaxtrain.parallel.mesh import batch_sharding, replicated, shard
 from jaxtrain.objectives.lm import BATCH_KEYS  # the language-model batch (module docstring)
-from jaxtrain.pipeline import stage_count
+from jaxtrain.parallel.pipeline import stage_count
 
 Batch = dict[str, jax.Array]
 

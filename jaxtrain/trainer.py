@@ -23,10 +23,10 @@ from jaxtrain.feeders import evaluate, to_global_batch  # re-exported for caller
 from jaxtrain.checkpoint import Checkpointer, abstract_like, load_params
 from jaxtrain import host_memory
 from jaxtrain import metrics as metrics_lib
-from jaxtrain import pipeline, preflight
-from jaxtrain.mesh import MeshShape
+from jaxtrain import preflight
 from jaxtrain.health import LossSpikeDetector, check_bad_streak
-from jaxtrain.mesh import DCN_AXES, make_mesh
+from jaxtrain.parallel import pipeline
+from jaxtrain.parallel.mesh import DCN_AXES, MeshShape, make_mesh
 from jaxtrain.model import ModelConfig
 from jaxtrain.objectives import Objective
 from jaxtrain.rewards import RewardError

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jaxtrain.config import default_config
-from jaxtrain.mesh import make_mesh
+from jaxtrain.parallel.mesh import make_mesh
 from tests.conftest import FAST_XLA_FLAG
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

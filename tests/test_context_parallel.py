@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import attention, context_parallel as cp, train_setup
-from jaxtrain.context_attention import context_attention
+from jaxtrain import attention, train_setup
+from jaxtrain.parallel import context_parallel as cp
+from jaxtrain.parallel.context_attention import context_attention
 from jaxtrain.dryrun import targets
 from jaxtrain.dryrun.measure import compile_setup, compile_step
 from tests.helpers import (assert_curves_close, assert_one_line_config_error, cli_curves,

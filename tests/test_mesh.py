@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain.mesh import (BATCH_AXES, LOGICAL_RULES, MESH_AXES, MeshShape, check_divides,
+from jaxtrain.parallel.mesh import (BATCH_AXES, LOGICAL_RULES, MESH_AXES, MeshShape, check_divides,
                            hybrid_device_grid, make_mesh, resolve_shape)
 
 

@@ -14,9 +14,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import config as config_lib
-from jaxtrain import mesh as mesh_lib
+from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain import metrics
-from jaxtrain.mesh import LOGICAL_RULES
+from jaxtrain.parallel.mesh import LOGICAL_RULES
 from jaxtrain.model import ModelConfig, apply_rope, rope_inv_freq
 from jaxtrain.sharding import abstract_model, create_model, init_params_fn
 

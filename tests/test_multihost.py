@@ -21,7 +21,7 @@ from jaxtrain.checkpoint import DataShardsHandler, DataShardsRestore, DataShards
 from jaxtrain.config import ConfigError
 from jaxtrain.config_checks import validate
 from jaxtrain.data import shards
-from jaxtrain.mesh import batch_rows_by_process, make_mesh
+from jaxtrain.parallel.mesh import batch_rows_by_process, make_mesh
 from tests.conftest import FAST_XLA_FLAG
 from tests.helpers import (REPO, SMALL_TINY_ARGS, assert_curves_close,
                            assert_one_line_config_error, main_command, run_cli, small_config)

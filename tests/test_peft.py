@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain import peft
 from jaxtrain.config import LORA_TARGETS, load_config_file
-from jaxtrain.mesh import LOGICAL_RULES
+from jaxtrain.parallel.mesh import LOGICAL_RULES
 from jaxtrain.model import Llama, ModelConfig
 from jaxtrain.sharding import abstract_model
 from tests.helpers import mesh_of, small_config

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jaxtrain import pipeline as pp
+from jaxtrain.parallel import pipeline as pp
 from tests.helpers import (assert_curves_close, assert_one_line_config_error, cli_curves,
                            dpo_pair_batch, lora_config, mesh_of, run_dry_run, small_config,
                            train_curves)

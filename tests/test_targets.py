@@ -16,7 +16,7 @@ import pytest
 
 from jaxtrain.config import ConfigError, load_config_file
 from jaxtrain.dryrun import command, measure, targets
-from jaxtrain.mesh import platform_of_backend
+from jaxtrain.parallel.mesh import platform_of_backend
 from tests.helpers import DRY_RUN_LAST_LINE, REPO, run_cli, run_dry_run, run_main
 
 

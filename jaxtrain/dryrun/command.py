@@ -26,14 +26,15 @@ import subprocess
 import sys
 import time
 
-from jaxtrain import metrics, objectives, pipeline
+from jaxtrain import metrics, objectives
+from jaxtrain.parallel import pipeline
 from jaxtrain.config import ConfigError
 from jaxtrain.config_checks import validate
 from jaxtrain.dryrun import breakdown
 from jaxtrain.dryrun import measure as aot
 from jaxtrain.dryrun import suggestions, targets
 from jaxtrain.dryrun.targets import GIB, Target, format_bytes, verdict
-from jaxtrain.mesh import platform_of_backend
+from jaxtrain.parallel.mesh import platform_of_backend
 
 _CHILD_ENV = "JAXTRAIN_DRY_RUN_CHILD"
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"

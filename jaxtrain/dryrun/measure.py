@@ -34,7 +34,7 @@ from jaxtrain.attention import context_kernel_platform, impl_under_stages
 from jaxtrain.config_checks import validate
 from jaxtrain.dryrun import breakdown as breakdown_lib
 from jaxtrain.dryrun import hlo_flops
-from jaxtrain.mesh import MeshShape, make_mesh, platform_of_backend
+from jaxtrain.parallel.mesh import MeshShape, make_mesh, platform_of_backend
 from jaxtrain.model import ModelConfig
 
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
@@ -108,7 +108,7 @@ def modelled_model_config(config, backend: str, platform: str) -> tuple[ModelCon
   shown = f"{impl!r}" + (f" ({resolved})" if impl in ("auto", "cudnn") and impl != resolved
                          else "")
   if config.mesh.context > 1:
-    # Context parallelism runs its own attention (jaxtrain.context_attention).
+    # Context parallelism runs its own attention (jaxtrain.parallel.context_attention).
     how = (f"context parallel over {config.mesh.context} devices "
            f"({config.attention.context_parallel}, "
            f"{'load-balanced' if config.attention.load_balance else 'contiguous'})")

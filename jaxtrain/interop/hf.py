@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from jaxtrain.config import ConfigError, load_config_file
 from jaxtrain.interop import hf_config, hf_weights
 from jaxtrain.interop.hf_config import HFFormatError
-from jaxtrain.mesh import make_mesh
+from jaxtrain.parallel.mesh import make_mesh
 from jaxtrain.model import Llama, ModelConfig
 from jaxtrain.sharding import abstract_model
 

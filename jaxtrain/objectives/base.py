@@ -55,7 +55,7 @@ class Objective(abc.ABC):
 
   def batch_shardings(self, config, mesh) -> dict[str, Any]:
     """{key: sharding}: every [B, ...] array of its batch split over the data-parallel axes."""
-    from jaxtrain.mesh import batch_sharding  # pylint: disable=import-outside-toplevel
+    from jaxtrain.parallel.mesh import batch_sharding  # pylint: disable=import-outside-toplevel
     return {k: batch_sharding(mesh, len(shape))
             for k, (shape, _) in self.batch_shapes(config).items()}
 

@@ -15,7 +15,7 @@ context_parallel: contiguous parts, or the load-balanced dual chunk swap). Two s
 
 Both compute tiles of attention_tiles, which skip tiles above the causal diagonal; with the
 load-balanced layout every device then does the same work. With `kernels` (GPU: our Pallas
-flash-attention kernels, jaxtrain.context_kernels) they call a kernel per pair of chunks instead. Shapes: q_BTHE, k_BTKE, v_BTKE are
+flash-attention kernels, jaxtrain.parallel.context_kernels) they call a kernel per pair of chunks instead. Shapes: q_BTHE, k_BTKE, v_BTKE are
 the global arrays (T the whole sequence); inside shard_map `_l` marks a device's local part.
 """
 
@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import attention_tiles as tiles
-from jaxtrain import context_kernels as ck
-from jaxtrain.context_parallel import STRATEGIES, context_size, global_positions
-from jaxtrain.mesh import logical_to_spec
+from jaxtrain.parallel import context_kernels as ck
+from jaxtrain.parallel.context_parallel import STRATEGIES, context_size, global_positions
+from jaxtrain.parallel.mesh import logical_to_spec
 
 AXIS = "context"
 

@@ -9,7 +9,7 @@ chunk ids: which chunk a device holds depends on its index), merged by their log
 backward pass calls the kernels' backward per pair with the final output and log-sum-exp, which
 is exactly the pair's share of dQ, dK, dV (FlashAttention-2's decomposition).
 
-Used by jaxtrain.context_attention for both strategies; shapes inside shard_map: q_BLHE (L local
+Used by jaxtrain.parallel.context_attention for both strategies; shapes inside shard_map: q_BLHE (L local
 positions = n chunks of length c), lse_BHc float32.
 """
 

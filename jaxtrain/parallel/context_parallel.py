@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain.mesh import axis_size
+from jaxtrain.parallel.mesh import axis_size
 
 STRATEGIES = ("all_gather", "ring")
 

@@ -38,7 +38,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("norm", None),
-    # Pipeline stages: each holds a contiguous group of the stacked layers (jaxtrain.pipeline).
+    # Pipeline stages: each holds a contiguous group of the stacked layers (jaxtrain.parallel.pipeline).
     ("layers", "stage"),
     ("lora_rank", None),  # LoRA adapters: the rank dim is small; shard only their I/O dims
     # activations: the batch is split over every data-parallel axis and the sequence over

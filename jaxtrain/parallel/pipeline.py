@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.mesh import axis_size, logical_to_spec
+from jaxtrain.parallel.mesh import axis_size, logical_to_spec
 
 AXIS = "stage"
 

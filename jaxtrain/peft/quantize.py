@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.mesh import shard
+from jaxtrain.parallel.mesh import shard
 
 SCHEMES = ("int8", "int4", "nf4")
 BITS = {"int8": 8, "int4": 4, "nf4": 4}

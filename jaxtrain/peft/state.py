@@ -23,7 +23,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 # model.py imports jaxtrain.peft (for project/adapters), so only the module object is bound here;
 # its attributes are looked up at call time, after both modules have loaded.
 from jaxtrain import model as model_lib
-from jaxtrain.mesh import LOGICAL_RULES, MESH_AXES
+from jaxtrain.parallel.mesh import LOGICAL_RULES, MESH_AXES
 from jaxtrain.peft.lora import Adapter, LoRA
 from jaxtrain.peft.quantize import QuantizedWeight
 
