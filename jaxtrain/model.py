@@ -26,10 +26,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain import attention as attention_lib
-from jaxtrain.parallel import context_parallel
-from jaxtrain.parallel import pipeline as pipeline_lib
 from jaxtrain.config import lora_targets as config_lora_targets, resolve_compute_dtype
-from jaxtrain.parallel.mesh import gathered_spec, platform_of_backend, shard
+from jaxtrain.parallel import context_parallel, layer_stack
+from jaxtrain.parallel.mesh import platform_of_backend, shard
 from jaxtrain.peft import lora as lora_lib
 from jaxtrain.peft.projection import project
 from jaxtrain.peft.quantize import QuantizedWeight
@@ -170,6 +169,17 @@ def remat_policy(name: str, *, by_name: bool = False):
       "save_qkv_proj_offload": policies.save_and_offload_only_these_names(
           names_which_can_be_saved=(), names_which_can_be_offloaded=_QKV_NAMES, **_TO_HOST),
   }[name]
+
+
+def stack_options(cfg: ModelConfig) -> layer_stack.StackOptions:
+  """How `cfg`'s layers run (parallel/layer_stack.py): loop, remat policy, pipeline schedule."""
+  remat = cfg.remat_policy != "none"
+  return layer_stack.StackOptions(
+      num_layers=cfg.num_layers, scan_layers=cfg.scan_layers, remat=remat,
+      policy=remat_policy(cfg.remat_policy) if remat else None,
+      stage_policy=remat_policy(cfg.remat_policy, by_name=True) if remat else None,
+      pipeline_microbatches=cfg.pipeline_microbatches, pipeline_repeats=cfg.pipeline_repeats,
+      pipeline_gather_weights_once=cfg.pipeline_gather_weights_once)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
@@ -377,80 +387,9 @@ class Llama(nnx.Module):
     if dropout_key is not None and cfg.lora_rank > 0 and cfg.lora_dropout > 0:
       layer_keys = jax.random.split(dropout_key, cfg.num_layers)
 
-    stages = pipeline_lib.stage_count()
-    if stages > 1:  # its own remat, per layer and per pipeline iteration
-      x_BTD = self._pipelined(x_BTD, positions_BT, segment_ids_BT, layer_keys, stages)
-      return self.final_norm(x_BTD)
-
-    def block_fn(block, x_BTD, key):
-      return block(x_BTD, positions_BT, segment_ids_BT, key)
-
-    policy_name = cfg.remat_policy
-    if policy_name != "none":
-      block_fn = nnx.remat(block_fn, policy=remat_policy(policy_name),
-                           prevent_cse=not cfg.scan_layers)
-    if cfg.scan_layers:
-      # The layer keys are scanned over with the layers (None: nothing to scan).
-      @nnx.scan(in_axes=(nnx.Carry, 0, None if layer_keys is None else 0), out_axes=nnx.Carry,
-                transform_metadata={nnx.PARTITION_NAME: "layers"})
-      def run_stack(x_BTD, block, key):
-        return block_fn(block, x_BTD, key)
-      x_BTD = run_stack(x_BTD, self.layers, layer_keys)
-    else:
-      for i, block in enumerate(self.layers):
-        x_BTD = block_fn(block, x_BTD, None if layer_keys is None else layer_keys[i])
+    x_BTD = layer_stack.run_layers(self.layers, x_BTD, positions_BT, segment_ids_BT,
+                                   layer_keys, stack_options(cfg))
     return self.final_norm(x_BTD)
-
-  def _pipelined(self, x_BTD, positions_BT, segment_ids_BT, layer_keys, stages: int):
-    """The layers as pipeline stages over the mesh's `stage` axis (jaxtrain.parallel.pipeline): the batch
-    is cut into microbatches (strided, so each spans every data-parallel device), which flow
-    through the stages; the result is the same as the plain scan's."""
-    cfg = self.cfg
-    if not cfg.scan_layers:
-      raise ValueError("pipeline stages need model.scan_layers=True (stacked layers)")
-    m = pipeline_lib.resolve_microbatches(cfg.pipeline_microbatches, stages)
-    b = x_BTD.shape[0]
-    graphdef, state = nnx.split(self.layers)
-    remat = cfg.remat_policy != "none"
-    # Each layer under its policy by name (the stage vmap gives every matmul a batch dim), and
-    # each pipeline iteration under remat (jaxtrain.parallel.pipeline): the backward pass keeps every
-    # iteration's stage inputs and recomputes one iteration at a time, so what the layer policy
-    # saves is held for one microbatch, not all of them.
-    policy = remat_policy(cfg.remat_policy, by_name=True) if remat else None
-
-    def layer(x_BTD, layer_state, carried):
-      block = nnx.merge(graphdef, layer_state)
-      return block(x_BTD, carried["positions"], carried["segment_ids"], carried.get("key"))
-    if remat:
-      layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-
-    def stage_fn(layers, x_BTD, carried):
-      def body(x_BTD, xs):
-        layer_state, key = xs
-        return layer(x_BTD, layer_state, {**carried, "key": key}), None
-      return jax.lax.scan(body, x_BTD, (layers["state"], layers.get("__keys__")))[0]
-
-    def to_microbatches(x):  # [B, ...] -> [M, B/M, ...], microbatch i = rows i, i+M, ...
-      return x.reshape(b // m, m, *x.shape[1:]).swapaxes(0, 1)
-
-    if cfg.pipeline_gather_weights_once:
-      # Whole along fsdp/context here, outside the pipeline's loop: one gather per step (and
-      # one reduce-scatter of the gradients) instead of one per microbatch and pass.
-      state = jax.tree.map(
-          lambda v: v.replace(jax.lax.with_sharding_constraint(
-              v[...], gathered_spec(v.get_metadata()["out_sharding"]))),
-          state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    stacked = {"state": state}
-    if layer_keys is not None:
-      stacked["__keys__"] = layer_keys
-    stage_layers = pipeline_lib.to_stages(stacked, stages, cfg.pipeline_repeats)
-    carried = {"positions": to_microbatches(positions_BT),
-               "segment_ids": (None if segment_ids_BT is None
-                               else to_microbatches(segment_ids_BT))}
-    out_M = pipeline_lib.pipeline(stage_fn, stage_layers, to_microbatches(x_BTD), carried,
-                                  repeats=cfg.pipeline_repeats, remat=remat,
-                                  names=("act_batch", "act_length", "act_embed"))
-    return out_M.swapaxes(0, 1).reshape(x_BTD.shape)
 
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
                dropout_key=None) -> jax.Array:

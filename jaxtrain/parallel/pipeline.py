@@ -1,6 +1,6 @@
 """Pipeline parallelism: layers split into stages over a `stage` mesh axis, microbatches flowing
-through them in one SPMD program (the schedule; `Llama.hidden_states` runs its layers with it
-under a mesh with stages).
+through them in one SPMD program (the schedule; `layer_stack.run_layers` runs a model's layers
+with it under a mesh with stages).
 
 Every stage runs at once on its own microbatch, as one `vmap` over a leading stage dim that is
 sharded over the `stage` mesh axis; after each iteration the activations shift one stage on

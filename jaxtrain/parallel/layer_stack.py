@@ -1,0 +1,114 @@
+"""How a model's stack of layers runs: the one hook through which parallelism reaches the layers.
+
+A model hands over its layers (stacked on a leading `layers` axis by `nnx.vmap`, or a list) and
+what one layer needs besides its input; `run_layers` owns the rest:
+
+- on one pipeline stage, the layers scanned (`nnx.scan`) or unrolled, each under remat with the
+  model's policy;
+- with a mesh `stage` axis > 1, the layers as pipeline stages (`pipeline.pipeline`): the batch
+  cut into microbatches that flow through the stages, each layer under the policy chosen by
+  checkpoint names (a stage's vmap gives every matmul a batch dim), each pipeline iteration
+  under remat too.
+
+Every layer is called as `layer(x_BTD, positions_BT, segment_ids_BT, dropout_key)`, so a new
+model family gets scanning, remat and pipelining without code of its own. The context layout
+(context_parallel) applies to the sequence before the layers and needs nothing here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxtrain.parallel import pipeline as pipeline_lib
+from jaxtrain.parallel.mesh import gathered_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class StackOptions:
+  """How the stack runs (from the model config)."""
+  num_layers: int
+  scan_layers: bool
+  remat: bool
+  policy: Any  # jax.checkpoint policy of each layer (None: save nothing but the input)
+  stage_policy: Any  # the same choice by checkpoint names, for layers inside pipeline stages
+  pipeline_microbatches: int = 0
+  pipeline_repeats: int = 1
+  pipeline_gather_weights_once: bool = False
+
+
+def run_layers(layers, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT,
+               layer_keys, options: StackOptions) -> jax.Array:
+  """x_BTD through every layer; `layer_keys` ([L] dropout keys, or None) go one per layer."""
+  stages = pipeline_lib.stage_count()
+  if stages > 1:
+    return _pipelined(layers, x_BTD, positions_BT, segment_ids_BT, layer_keys, options, stages)
+
+  def layer_fn(layer, x_BTD, key):
+    return layer(x_BTD, positions_BT, segment_ids_BT, key)
+
+  if options.remat:
+    layer_fn = nnx.remat(layer_fn, policy=options.policy, prevent_cse=not options.scan_layers)
+  if options.scan_layers:
+    # The layer keys are scanned over with the layers (None: nothing to scan).
+    @nnx.scan(in_axes=(nnx.Carry, 0, None if layer_keys is None else 0), out_axes=nnx.Carry,
+              transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def run_stack(x_BTD, layer, key):
+      return layer_fn(layer, x_BTD, key)
+    return run_stack(x_BTD, layers, layer_keys)
+  for i, layer in enumerate(layers):
+    x_BTD = layer_fn(layer, x_BTD, None if layer_keys is None else layer_keys[i])
+  return x_BTD
+
+
+def _pipelined(layers, x_BTD, positions_BT, segment_ids_BT, layer_keys,
+               options: StackOptions, stages: int):
+  """The layers as pipeline stages over the mesh's `stage` axis: the batch is cut into
+  microbatches (strided, so each spans every data-parallel device), which flow through the
+  stages; the result is the same as the plain scan's."""
+  if not options.scan_layers:
+    raise ValueError("pipeline stages need model.scan_layers=True (stacked layers)")
+  m = pipeline_lib.resolve_microbatches(options.pipeline_microbatches, stages)
+  b = x_BTD.shape[0]
+  graphdef, state = nnx.split(layers)
+  # Each layer under its policy by name (the stage vmap gives every matmul a batch dim), and
+  # each pipeline iteration under remat (pipeline.py): the backward pass keeps every
+  # iteration's stage inputs and recomputes one iteration at a time, so what the layer policy
+  # saves is held for one microbatch, not all of them.
+
+  def layer(x_BTD, layer_state, carried):
+    block = nnx.merge(graphdef, layer_state)
+    return block(x_BTD, carried["positions"], carried["segment_ids"], carried.get("key"))
+  if options.remat:
+    layer = jax.checkpoint(layer, policy=options.stage_policy, prevent_cse=False)
+
+  def stage_fn(stage_layers, x_BTD, carried):
+    def body(x_BTD, xs):
+      layer_state, key = xs
+      return layer(x_BTD, layer_state, {**carried, "key": key}), None
+    return jax.lax.scan(body, x_BTD, (stage_layers["state"], stage_layers.get("__keys__")))[0]
+
+  def to_microbatches(x):  # [B, ...] -> [M, B/M, ...], microbatch i = rows i, i+M, ...
+    return x.reshape(b // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+  if options.pipeline_gather_weights_once:
+    # Whole along fsdp/context here, outside the pipeline's loop: one gather per step (and
+    # one reduce-scatter of the gradients) instead of one per microbatch and pass.
+    state = jax.tree.map(
+        lambda v: v.replace(jax.lax.with_sharding_constraint(
+            v[...], gathered_spec(v.get_metadata()["out_sharding"]))),
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  stacked = {"state": state}
+  if layer_keys is not None:
+    stacked["__keys__"] = layer_keys
+  stage_layers = pipeline_lib.to_stages(stacked, stages, options.pipeline_repeats)
+  carried = {"positions": to_microbatches(positions_BT),
+             "segment_ids": (None if segment_ids_BT is None
+                             else to_microbatches(segment_ids_BT))}
+  out_M = pipeline_lib.pipeline(stage_fn, stage_layers, to_microbatches(x_BTD), carried,
+                                repeats=options.pipeline_repeats, remat=options.remat,
+                                names=("act_batch", "act_length", "act_embed"))
+  return out_M.swapaxes(0, 1).reshape(x_BTD.shape)
