@@ -87,6 +87,21 @@ def xla_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True, s
   return out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
 
 
+def cached_attention(q_BCHE, k_BSKE, v_BSKE, positions_BC, dtype) -> jax.Array:
+  """C new queries per row against a KV cache of S positions (generation): each query sees the
+  cached keys at or before its own position, so a cache's unwritten tail never leaks in.
+  Scores and softmax in float32, the weighted sum in `dtype`."""
+  b, c, h, e = q_BCHE.shape
+  s, k = k_BSKE.shape[1], k_BSKE.shape[2]
+  q_BCKGE = q_BCHE.reshape(b, c, k, h // k, e)
+  logits_BKGCS = jnp.einsum("BCKGE,BSKE->BKGCS", q_BCKGE, k_BSKE.astype(dtype),
+                            preferred_element_type=jnp.float32) * e ** -0.5
+  visible_BCS = jnp.arange(s)[None, None, :] <= positions_BC[:, :, None]
+  logits_BKGCS = jnp.where(visible_BCS[:, None, None], logits_BKGCS, jnp.finfo(jnp.float32).min)
+  probs_BKGCS = jax.nn.softmax(logits_BKGCS, axis=-1).astype(dtype)
+  return jnp.einsum("BKGCS,BSKE->BCKGE", probs_BKGCS, v_BSKE.astype(dtype)).reshape(b, c, h, e)
+
+
 def cudnn_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True, sm_scale=None):
   mask = None
   if segment_ids_BT is not None:

@@ -11,9 +11,9 @@ Batched prompts are right-padded: row b's prompt has `lengths[b]` tokens and its
 tokens are written from there on, so rows of different lengths decode side by side. Keys past a
 row's current position are masked, so padding never leaks into attention.
 
-The attention math of a cached step lives here rather than in model.py, which stays the
-training model; it reuses the model's own parameters, norms, MLP and RoPE, and a test checks it
-against the training forward pass token by token.
+The cached step is the model's own (`Llama.forward_with_cache`, `Llama.empty_cache`): the same
+projections, norms, MLP and RoPE as training, with `attention.cached_attention` over the cache;
+a test checks it against the training forward pass token by token.
 """
 
 from __future__ import annotations
@@ -27,9 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.parallel.mesh import shard
-from jaxtrain.model import Llama, apply_rope, rope_inv_freq
-from jaxtrain.peft.projection import project
+from jaxtrain.model import Llama
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,81 +44,6 @@ class SamplingConfig:
       raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-
-
-def _attend(attn, x_BCD, positions_BC, cache_k_BSKE, cache_v_BSKE, start_B):
-  """One attention sublayer over C new tokens per row: write their k/v at [start, start+C),
-  attend over every cached key at or before each query's position. The projections are the
-  model's own (`peft.project`: LoRA adapters and quantized bases included)."""
-  dt = attn.dtype
-  proj = functools.partial(project, dtype=dt)
-  q_BCHE = proj(x_BCD, attn.wq_DHE, attn.lora_q)
-  k_BCKE = proj(x_BCD, attn.wk_DKE, attn.lora_k)
-  v_BCKE = proj(x_BCD, attn.wv_DKE, attn.lora_v)
-  head_dim, theta, scaling = attn.rope
-  inv_freq = rope_inv_freq(head_dim, theta, dict(scaling) if scaling else None)
-  q_BCHE = apply_rope(q_BCHE, positions_BC, inv_freq)
-  k_BCKE = apply_rope(k_BCKE, positions_BC, inv_freq)
-  write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(
-      cache, new.astype(cache.dtype), (start, 0, 0)))
-  cache_k_BSKE = write(cache_k_BSKE, k_BCKE, start_B)
-  cache_v_BSKE = write(cache_v_BSKE, v_BCKE, start_B)
-  b, c, h, e = q_BCHE.shape
-  s, k = cache_k_BSKE.shape[1], cache_k_BSKE.shape[2]
-  q_BCKGE = q_BCHE.reshape(b, c, k, h // k, e)
-  logits_BKGCS = jnp.einsum("BCKGE,BSKE->BKGCS", q_BCKGE, cache_k_BSKE.astype(dt),
-                            preferred_element_type=jnp.float32) * e ** -0.5
-  visible_BCS = jnp.arange(s)[None, None, :] <= positions_BC[:, :, None]
-  logits_BKGCS = jnp.where(visible_BCS[:, None, None], logits_BKGCS, jnp.finfo(jnp.float32).min)
-  probs_BKGCS = jax.nn.softmax(logits_BKGCS, axis=-1).astype(dt)
-  out_BCHE = jnp.einsum("BKGCS,BSKE->BCKGE", probs_BKGCS,
-                        cache_v_BSKE.astype(dt)).reshape(b, c, h, e)
-  out_BCD = proj(out_BCHE.reshape(b, c, h * e), attn.wo_HED, attn.lora_o, num_in=2)
-  return out_BCD, cache_k_BSKE, cache_v_BSKE
-
-
-def _block(block, x_BCD, positions_BC, cache_k, cache_v, start_B):
-  out, cache_k, cache_v = _attend(block.attn, block.attn_norm(x_BCD), positions_BC, cache_k,
-                                  cache_v, start_B)
-  x_BCD = x_BCD + out
-  return x_BCD + block.mlp(block.mlp_norm(x_BCD)), cache_k, cache_v
-
-
-def forward_with_cache(model: Llama, tokens_BC, start_B, cache):
-  """(float32 logits [B, C, V], updated cache) for C new tokens per row at positions
-  start_B + [0, C). `cache` is {"k", "v"}: [L, B, S, K, E] each."""
-  cfg = model.cfg
-  positions_BC = start_B[:, None] + jnp.arange(tokens_BC.shape[1], dtype=jnp.int32)[None]
-  x_BCD = jnp.take(model.embed_VD[...].astype(cfg.dtype), tokens_BC, axis=0)
-  if cfg.scan_layers:
-    @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0, 0),
-              transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def run_stack(x_BCD, block, cache_k, cache_v):
-      return _block(block, x_BCD, positions_BC, cache_k, cache_v, start_B)
-
-    x_BCD, new_k, new_v = run_stack(x_BCD, model.layers, cache["k"], cache["v"])
-  else:
-    ks, vs = [], []
-    for i, block in enumerate(model.layers):
-      x_BCD, k_i, v_i = _block(block, x_BCD, positions_BC, cache["k"][i], cache["v"][i], start_B)
-      ks.append(k_i)
-      vs.append(v_i)
-    new_k, new_v = jnp.stack(ks), jnp.stack(vs)
-  x_BCD = model.final_norm(x_BCD)
-  logits_BCV = jnp.einsum("BCD,DV->BCV", x_BCD, model.head_weights(),
-                          preferred_element_type=jnp.float32)
-  return logits_BCV, {"k": new_k, "v": new_v}
-
-
-def empty_cache(model: Llama, batch: int, length: int) -> dict[str, jax.Array]:
-  cfg = model.cfg
-  shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
-  # Under a mesh (the GRPO rollouts) rows follow the batch's data-parallel split and heads the
-  # tensor axis, like the activations; a no-op without one. The cache is made inside the jit
-  # and carried through the decode loop, so XLA updates it in place (no copy per token).
-  names = (None, "act_batch", None, "act_kv_heads", None)
-  return {"k": shard(jnp.zeros(shape, cfg.dtype), names),
-          "v": shard(jnp.zeros(shape, cfg.dtype), names)}
 
 
 def sample_token(logits_BV, key, temperature: float, top_p: float) -> jax.Array:
@@ -152,8 +75,8 @@ def sample_continuations(model: Llama, prompt_BP, lengths_B, key, sampling: Samp
   rollouts, which merge the model from the live sharded params)."""
   b, p = prompt_BP.shape
   n = sampling.max_new_tokens
-  cache = empty_cache(model, b, p + n)
-  logits_BPV, cache = forward_with_cache(model, prompt_BP, jnp.zeros((b,), jnp.int32), cache)
+  cache = model.empty_cache(b, p + n)
+  logits_BPV, cache = model.forward_with_cache(prompt_BP, jnp.zeros((b,), jnp.int32), cache)
   last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
   out_BN = jnp.zeros((b, n), jnp.int32)
   done_B = jnp.zeros((b,), bool)
@@ -169,8 +92,8 @@ def sample_continuations(model: Llama, prompt_BP, lengths_B, key, sampling: Samp
     token_B = jnp.where(done_B, eos, token_B)
     out_BN = out_BN.at[:, i].set(token_B)
     done_B = done_B | (token_B == eos)
-    logits_B1V, cache = forward_with_cache(nnx.merge(graphdef, state), token_B[:, None],
-                                           lengths_B + i, cache)
+    logits_B1V, cache = nnx.merge(graphdef, state).forward_with_cache(token_B[:, None],
+                                                                      lengths_B + i, cache)
     return state, cache, logits_B1V[:, 0], out_BN, done_B, key
 
   carry = (state, cache, last_BV, out_BN, done_B, key)

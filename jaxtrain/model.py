@@ -266,22 +266,44 @@ class Attention(nnx.Module):
     self.dtype = jnp.dtype(cfg.dtype)
     self.explicit_transpose_for_dw = cfg.explicit_transpose_for_dw
 
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None):
-    proj = functools.partial(project, dtype=self.dtype, dropout_key=dropout_key,
-                             explicit_transpose_for_dw=self.explicit_transpose_for_dw)
+  def _qkv(self, x_BTD, positions_BT, proj, *, training: bool):
+    """Queries, keys and values [B, T, heads, E], RoPE applied. `training`: with the
+    activation shardings and the checkpoint names the remat policies save by."""
     q_BTHE = proj(x_BTD, self.wq_DHE, self.lora_q)
     k_BTKE = proj(x_BTD, self.wk_DKE, self.lora_k)
     v_BTKE = proj(x_BTD, self.wv_DKE, self.lora_v)
-    q_BTHE = checkpoint_name(shard(q_BTHE, ("act_batch", "act_length", "act_heads", None)),
-                             "query_proj")
-    k_BTKE = checkpoint_name(shard(k_BTKE, ("act_batch", "act_length", "act_kv_heads", None)),
-                             "key_proj")
-    v_BTKE = checkpoint_name(shard(v_BTKE, ("act_batch", "act_length", "act_kv_heads", None)),
-                             "value_proj")
+    if training:
+      q_BTHE = checkpoint_name(shard(q_BTHE, ("act_batch", "act_length", "act_heads", None)),
+                               "query_proj")
+      k_BTKE = checkpoint_name(shard(k_BTKE, ("act_batch", "act_length", "act_kv_heads", None)),
+                               "key_proj")
+      v_BTKE = checkpoint_name(shard(v_BTKE, ("act_batch", "act_length", "act_kv_heads", None)),
+                               "value_proj")
     head_dim, theta, scaling = self.rope
     inv_freq = rope_inv_freq(head_dim, theta, dict(scaling) if scaling else None)
-    q_BTHE = apply_rope(q_BTHE, positions_BT, inv_freq)
-    k_BTKE = apply_rope(k_BTKE, positions_BT, inv_freq)
+    return (apply_rope(q_BTHE, positions_BT, inv_freq), apply_rope(k_BTKE, positions_BT, inv_freq),
+            v_BTKE)
+
+  def decode(self, x_BCD, positions_BC, cache_k_BSKE, cache_v_BSKE, start_B):
+    """C new tokens per row with a KV cache (generation): their keys and values are written at
+    [start, start + C) and each query attends over the cache up to its position. Returns the
+    sublayer's output and the updated cache."""
+    proj = functools.partial(project, dtype=self.dtype)
+    q_BCHE, k_BCKE, v_BCKE = self._qkv(x_BCD, positions_BC, proj, training=False)
+    write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(
+        cache, new.astype(cache.dtype), (start, 0, 0)))
+    cache_k_BSKE = write(cache_k_BSKE, k_BCKE, start_B)
+    cache_v_BSKE = write(cache_v_BSKE, v_BCKE, start_B)
+    out_BCHE = attention_lib.cached_attention(q_BCHE, cache_k_BSKE, cache_v_BSKE, positions_BC,
+                                              self.dtype)
+    b, c, h, e = out_BCHE.shape
+    out_BCD = proj(out_BCHE.reshape(b, c, h * e), self.wo_HED, self.lora_o, num_in=2)
+    return out_BCD, cache_k_BSKE, cache_v_BSKE
+
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None):
+    proj = functools.partial(project, dtype=self.dtype, dropout_key=dropout_key,
+                             explicit_transpose_for_dw=self.explicit_transpose_for_dw)
+    q_BTHE, k_BTKE, v_BTKE = self._qkv(x_BTD, positions_BT, proj, training=True)
     out_BTHE = attention_lib.attention(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, impl=self.impl,
                                        **dict(self.attention_options))
     b, t, h, e = out_BTHE.shape
@@ -328,6 +350,12 @@ class Block(nnx.Module):
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None):
     x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, dropout_key)
     return x_BTD + self.mlp(self.mlp_norm(x_BTD), dropout_key)
+
+  def decode(self, x_BCD, positions_BC, cache_k_BSKE, cache_v_BSKE, start_B):
+    out_BCD, cache_k_BSKE, cache_v_BSKE = self.attn.decode(
+        self.attn_norm(x_BCD), positions_BC, cache_k_BSKE, cache_v_BSKE, start_B)
+    x_BCD = x_BCD + out_BCD
+    return x_BCD + self.mlp(self.mlp_norm(x_BCD)), cache_k_BSKE, cache_v_BSKE
 
 
 class Llama(nnx.Module):
@@ -390,6 +418,43 @@ class Llama(nnx.Module):
     x_BTD = layer_stack.run_layers(self.layers, x_BTD, positions_BT, segment_ids_BT,
                                    layer_keys, stack_options(cfg))
     return self.final_norm(x_BTD)
+
+  def empty_cache(self, batch: int, length: int) -> dict[str, jax.Array]:
+    """A KV cache for `batch` rows of `length` positions: {"k", "v"}, [L, B, S, K, E] each."""
+    cfg = self.cfg
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    # Under a mesh (the GRPO rollouts) rows follow the batch's data-parallel split and heads the
+    # tensor axis, like the activations; a no-op without one. The cache is made inside the jit
+    # and carried through the decode loop, so XLA updates it in place (no copy per token).
+    names = (None, "act_batch", None, "act_kv_heads", None)
+    return {"k": shard(jnp.zeros(shape, cfg.dtype), names),
+            "v": shard(jnp.zeros(shape, cfg.dtype), names)}
+
+  def forward_with_cache(self, tokens_BC, start_B, cache):
+    """(float32 logits [B, C, V], updated cache) for C new tokens per row at positions
+    start_B + [0, C): the decode step of generation and the GRPO rollouts."""
+    cfg = self.cfg
+    positions_BC = start_B[:, None] + jnp.arange(tokens_BC.shape[1], dtype=jnp.int32)[None]
+    x_BCD = jnp.take(self.embed_VD[...].astype(cfg.dtype), tokens_BC, axis=0)
+    if cfg.scan_layers:
+      @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0, 0),
+                transform_metadata={nnx.PARTITION_NAME: "layers"})
+      def run_stack(x_BCD, block, cache_k, cache_v):
+        return block.decode(x_BCD, positions_BC, cache_k, cache_v, start_B)
+
+      x_BCD, new_k, new_v = run_stack(x_BCD, self.layers, cache["k"], cache["v"])
+    else:
+      ks, vs = [], []
+      for i, block in enumerate(self.layers):
+        x_BCD, k_i, v_i = block.decode(x_BCD, positions_BC, cache["k"][i], cache["v"][i],
+                                       start_B)
+        ks.append(k_i)
+        vs.append(v_i)
+      new_k, new_v = jnp.stack(ks), jnp.stack(vs)
+    x_BCD = self.final_norm(x_BCD)
+    logits_BCV = jnp.einsum("BCD,DV->BCV", x_BCD, self.head_weights(),
+                            preferred_element_type=jnp.float32)
+    return logits_BCV, {"k": new_k, "v": new_v}
 
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
                dropout_key=None) -> jax.Array:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import generate, grpo, objectives, rewards, train_setup, trainer
-from jaxtrain.model import ModelConfig
+from jaxtrain import grpo, objectives, rewards, train_setup, trainer
+from jaxtrain.model import Llama, ModelConfig
 from jaxtrain.rollouts import completion_lengths, training_rows
 from jaxtrain.sharding import create_model
 from tests.helpers import assert_one_line_config_error, mesh_of, small_config
@@ -138,8 +138,8 @@ def test_cached_decode_equals_the_forward_under_lora_and_qlora():
     nnx.update(model, noisy)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 10)), jnp.int32)
     want = model(tokens)
-    step = nnx.jit(generate.forward_with_cache)
-    cache = generate.empty_cache(model, 2, 10)
+    step = nnx.jit(Llama.forward_with_cache)
+    cache = model.empty_cache(2, 10)
     got, cache = step(model, tokens[:, :4], jnp.zeros(2, jnp.int32), cache)
     steps = [got]
     for i in range(4, 10):
