@@ -1,10 +1,12 @@
 """Llama 3.x decoder in Flax NNX, free of parallelism code.
 
-Every parameter names its dims with logical axes (see mesh.LOGICAL_RULES); the few activation
-constraints go through `mesh.shard`, a no-op without a mesh. Layers are stacked on a leading
-`layers` axis and applied with `nnx.scan` (or kept as a list and unrolled), each under remat with a
-named policy. Shape letters: B batch, T length, D model dim, H query heads, K kv heads, E head dim,
-F mlp dim, V vocab, L layers.
+Every parameter names its dims with logical axes (see parallel/mesh.LOGICAL_RULES); the few
+activation constraints go through `mesh.shard`, a no-op without a mesh. Layers are stacked on a
+leading `layers` axis (or kept as a list) and run by `parallel/layer_stack.run_layers`: scanned or
+unrolled under remat with a named policy, or as pipeline stages. The model also owns its decode
+step with a KV cache (`forward_with_cache`), which generation and the GRPO rollouts call. Shape
+letters: B batch, T length, D model dim, H query heads, K kv heads, E head dim, F mlp dim,
+V vocab, L layers.
 
 Fine-tuning (jaxtrain/peft): with lora_rank > 0 each targeted projection gets a LoRA adapter
 (`lora_<target>` beside its weight); with base_quant != "none" the seven projection weights are
