@@ -177,7 +177,7 @@ def stack_options(cfg: ModelConfig) -> layer_stack.StackOptions:
   """How `cfg`'s layers run (parallel/layer_stack.py): loop, remat policy, pipeline schedule."""
   remat = cfg.remat_policy != "none"
   return layer_stack.StackOptions(
-      num_layers=cfg.num_layers, scan_layers=cfg.scan_layers, remat=remat,
+      scan_layers=cfg.scan_layers, remat=remat,
       policy=remat_policy(cfg.remat_policy) if remat else None,
       stage_policy=remat_policy(cfg.remat_policy, by_name=True) if remat else None,
       pipeline_microbatches=cfg.pipeline_microbatches, pipeline_repeats=cfg.pipeline_repeats,

@@ -62,7 +62,11 @@ def test_the_weight_cast_is_astype_bit_for_bit_and_differentiates_like_it():
   np.testing.assert_array_equal(
       jax.grad(loss(lambda v: weight_cast.to_compute_dtype(v, jnp.bfloat16)))(w),
       jax.grad(loss(lambda v: v.astype(jnp.bfloat16)))(w))
-  assert weight_cast.to_compute_dtype(w, jnp.float32) is not None  # other pairs: astype
+  # Other dtype pairs are astype itself.
+  halved = w.astype(jnp.bfloat16)
+  assert weight_cast.to_compute_dtype(w, jnp.float32).dtype == jnp.float32
+  np.testing.assert_array_equal(weight_cast.to_compute_dtype(halved, jnp.float32),
+                                halved.astype(jnp.float32))
 
 
 def _bf16_weight_stacks_at_peak(monkeypatch, cast):

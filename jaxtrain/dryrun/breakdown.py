@@ -94,9 +94,7 @@ def read(dump_dir: str, module: str = "jit_train_step") -> Breakdown | None:
 def _newest(dump_dir: str, module: str, suffix: str) -> str | None:
   """The dump file of the last-compiled module named `module` (module_NNNN.<name>.*)."""
   found = [p for p in glob.glob(os.path.join(glob.escape(dump_dir), f"module_*.{module}.*"))
-           if p.endswith(suffix) and (suffix != "after_optimizations.txt" or
-                                      p.endswith(".after_optimizations.txt") or
-                                      p.endswith("_after_optimizations.txt"))]
+           if p.endswith(suffix)]
   return max(found) if found else None
 
 
@@ -114,7 +112,7 @@ def _parse_assignment(lines):
       values[_value_key(m.group(1))] = (current, int(m.group(3)), int(m.group(2)),
                                         _LAYOUT.sub("", m.group(4)))
     elif not line.startswith(" "):
-      current = None if not line.startswith("allocation") else current
+      current = None  # the allocation's value list has ended
   return allocations, values
 
 
@@ -160,8 +158,7 @@ def _parse_instructions(lines) -> dict[str, tuple[str, str]]:
       source = "loop state"  # a nested computation's parameter: what a loop carries
     named[name] = (opcode, source if op_name or not source or opcode == "parameter"
                    else f"{opcode} of {source}")
-  found = named
-  return found
+  return named
 
 
 def _value_key(name: str) -> str:
@@ -185,7 +182,7 @@ def _peak_buffers(peak_names, allocations, values, instructions) -> list[Buffer]
   for (allocation, _), names in groups.items():
     def rank(name):
       opcode, op_name = instructions.get(_instruction_of(name), ("", ""))
-      return (opcode in _FORWARDING and "param" not in op_name[:6], not op_name)
+      return (opcode in _FORWARDING, not op_name)
     best = min(names, key=rank)
     size = max(values[n][2] for n in names)
     opcode, op_name = instructions.get(_instruction_of(best), ("", ""))

@@ -195,26 +195,26 @@ def _convolution_flops(shapes, name: str, op_text: str) -> float:
   taps = 1
   for i, d in enumerate(spatial):
     size = rhs[rhs_labels.index(d)]
-    pad = window[i] if i < len(window) else (0, 0)
-    taps *= _valid_taps(lhs[lhs_labels.index(d)], size, out[out_labels.index(d)], *pad)
+    pad_low = window[i] if i < len(window) else 0
+    taps *= _valid_taps(lhs[lhs_labels.index(d)], size, out[out_labels.index(d)], pad_low)
   return 2.0 * per_output_row * features * taps
 
 
-def _parse_window(op_text: str) -> list[tuple[int, int]]:
-  """(low, high) padding of each spatial dim; [] without padding (or strides and dilations,
-  which the matmul rewrites do not use: then every tap counts)."""
+def _parse_window(op_text: str) -> list[int]:
+  """The low padding of each spatial dim (the output size accounts for the high one); [] without
+  padding (or with strides and dilations, which the matmul rewrites do not use: then every tap
+  counts)."""
   found = _WINDOW.search(op_text)
   if not found or "stride" in found.group(1) or "dilate" in found.group(1):
     return []
   pads = re.search(r"pad=([\d_x\-]+)", found.group(1))
   if not pads:
     return []
-  return [tuple(int(v) for v in p.split("_")) for p in pads.group(1).split("x")]
+  return [int(p.split("_")[0]) for p in pads.group(1).split("x")]
 
 
-def _valid_taps(size_in: int, window: int, size_out: int, pad_low: int, pad_high: int) -> int:
+def _valid_taps(size_in: int, window: int, size_out: int, pad_low: int) -> int:
   """(output position, window tap) pairs of a stride-1 convolution dim that read the input."""
-  del pad_high  # the output size already accounts for it
   count = 0
   for i in range(size_in):  # input i is read by tap j at output o = i + pad_low - j
     first = max(0, i + pad_low - size_out + 1)

@@ -29,11 +29,11 @@ from jaxtrain.parallel.mesh import gathered_spec
 
 @dataclasses.dataclass(frozen=True)
 class StackOptions:
-  """How the stack runs (from the model config)."""
-  num_layers: int
+  """How the stack runs (from the model config). `remat` off: every layer's activations are
+  kept for the backward pass; on, each layer is rematerialized under `policy` (what it saves)."""
   scan_layers: bool
   remat: bool
-  policy: Any  # jax.checkpoint policy of each layer (None: save nothing but the input)
+  policy: Any  # jax.checkpoint policy of each layer, when `remat`
   stage_policy: Any  # the same choice by checkpoint names, for layers inside pipeline stages
   pipeline_microbatches: int = 0
   pipeline_repeats: int = 1
