@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain import generate as generate_lib
 from jaxtrain import grpo as grpo_lib
 from jaxtrain import rewards
-from jaxtrain.data import pipeline as data_pipeline
+from jaxtrain.data.documents import tokenizer_for
 from jaxtrain.data import prompts as prompts_lib
 from jaxtrain.data.sources.common import DataError
 from jaxtrain.feeders import Feeder, to_global_batch
@@ -85,7 +85,7 @@ class Rollouts(Feeder):
     self.group, self.iterations = objective.num_generations, objective.num_iterations
     self.seq_len, self.seed = int(config.train.seq_len), int(config.train.seed)
     self.loss_chunk_size = int(config.train.loss_chunk_size)
-    self.tokenizer = data_pipeline._tokenizer(config.data.tokenizer)  # pylint: disable=protected-access
+    self.tokenizer = tokenizer_for(config.data.tokenizer)
     self.sampling = generate_lib.SamplingConfig(
         max_new_tokens=int(g.max_new_tokens), temperature=float(g.temperature),
         top_p=float(g.top_p), eos_id=self.tokenizer.eos_id)

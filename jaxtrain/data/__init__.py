@@ -1,9 +1,9 @@
 """Input data: the zero-download stdlib byte corpus and the Grain packing pipeline."""
 
 from jaxtrain.train_step import BATCH_KEYS  # the batch contract of the train step
-from jaxtrain.data.pipeline import SOURCES
-from jaxtrain.data.pipeline import load_mixture
-from jaxtrain.data.pipeline import load_sources
+from jaxtrain.data.documents import SOURCES
+from jaxtrain.data.documents import load_mixture
+from jaxtrain.data.documents import load_sources
 from jaxtrain.data.pipeline import make_eval_batches
 from jaxtrain.data.pipeline import make_train_iterator
 from jaxtrain.data.pipeline import packed_batch_dataset

@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxtrain.config import ConfigError
 from jaxtrain.data import formats
+from jaxtrain.data.documents import held_out_indices, tokenizer_for
 from jaxtrain.data.sources.common import DataError
 
 SIDES = ("chosen", "rejected")
@@ -98,7 +99,6 @@ def load_record_splits(config, *, needs: str, what: str):
   """(train, eval) JSONL record sources from `data.train_paths` (and `data.eval_paths`, or a
   held-out `data.eval_fraction` of the training records). `needs` says who needs them and `what`
   the records are, for the config errors."""
-  from jaxtrain.data import pipeline  # pylint: disable=import-outside-toplevel  (import cycle)
   from jaxtrain.data import sources  # pylint: disable=import-outside-toplevel
   d = config.data
   if d.source != "jsonl":
@@ -113,7 +113,7 @@ def load_record_splits(config, *, needs: str, what: str):
   train = records(d.train_paths, "train_paths")
   if d.eval_paths:
     return train, records(d.eval_paths, "eval_paths")
-  train_N, eval_N = pipeline.held_out_indices(len(train), float(d.eval_fraction))
+  train_N, eval_N = held_out_indices(len(train), float(d.eval_fraction))
   return RecordSubset(train, train_N), RecordSubset(train, eval_N)
 
 
@@ -135,9 +135,8 @@ def local_batch_size(config, process_count: int) -> int:
 def make_train_iterator(config, *, process_index: int = 0, process_count: int = 1):
   """Infinite, checkpointable iterator over this process's DPO batches (`jaxtrain.dpo`'s
   format; train.global_batch_size pairs per step over all processes)."""
-  from jaxtrain.data import pipeline  # pylint: disable=import-outside-toplevel
   train, _ = load_splits(config)
-  tok = pipeline._tokenizer(config.data.tokenizer)  # pylint: disable=protected-access
+  tok = tokenizer_for(config.data.tokenizer)
   ds = preference_dataset(train, tok, seq_len=config.train.seq_len,
                           batch_size=local_batch_size(config, process_count),
                           vocab_size=config.model.vocab_size, seed=int(config.data.seed),
@@ -152,9 +151,8 @@ _EVAL_SEED_OFFSET = 1_000_003
 def make_eval_batches(config, *, process_index: int = 0,
                       process_count: int = 1) -> list[dict[str, np.ndarray]]:
   """Exactly `train.eval_batches` batches of held-out pairs, identical at every evaluation."""
-  from jaxtrain.data import pipeline  # pylint: disable=import-outside-toplevel
   _, evals = load_splits(config)
-  tok = pipeline._tokenizer(config.data.tokenizer)  # pylint: disable=protected-access
+  tok = tokenizer_for(config.data.tokenizer)
   ds = preference_dataset(evals, tok, seq_len=config.train.seq_len,
                           batch_size=local_batch_size(config, process_count),
                           vocab_size=config.model.vocab_size,

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxtrain.config import ConfigError
 from jaxtrain.data import formats
+from jaxtrain.data.documents import tokenizer_for
 from jaxtrain.data.preference import RecordSubset, load_record_splits, local_batch_size
 from jaxtrain.data.sources.common import DataError
 
@@ -76,8 +77,7 @@ def load_splits(config):
 
 
 def _dataset(config, source, seed: int, process_index: int, process_count: int):
-  from jaxtrain.data import pipeline  # pylint: disable=import-outside-toplevel  (import cycle)
-  tok = pipeline._tokenizer(config.data.tokenizer)  # pylint: disable=protected-access
+  tok = tokenizer_for(config.data.tokenizer)
   return prompt_dataset(source, tok, length=max_prompt_tokens(config),
                         batch_size=local_batch_size(config, process_count),
                         vocab_size=config.model.vocab_size, seed=seed,
