@@ -133,3 +133,8 @@ def train_bpe(directory, docs):
 
 # Short words for small JSONL/text corpora.
 GREEK_WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def all_docs(src):
+  """Every document of a source, in order."""
+  return [src[i] for i in range(len(src))]
