@@ -138,8 +138,8 @@ def main():
   for name, dims in SHAPES.items():
     config = shape_config(*dims)
     _, setup = _setup(config)
-    n_params = metrics_lib.count_params(setup.model_cfg)
-    flops_token = metrics_lib.flops_per_token(setup.model_cfg, SEQ_LEN)
+    n_params = metrics_lib.count_params(setup.model_cfg.arch)
+    flops_token = metrics_lib.flops_per_token(setup.model_cfg.arch, SEQ_LEN)
     r = train_throughput(config, args.steps)
     r.update(n_params=n_params, flops_token=flops_token,
              achieved=r["tokens_per_sec"] * flops_token)

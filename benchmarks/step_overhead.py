@@ -20,7 +20,8 @@ from flax import nnx
 from jaxtrain import train_setup, trainer
 from jaxtrain.config import default_config
 from jaxtrain.parallel.mesh import LOGICAL_RULES, make_mesh
-from jaxtrain.model import Llama, ModelConfig
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.decoder import Decoder
 from jaxtrain.cross_entropy import chunked_cross_entropy
 
 
@@ -71,7 +72,7 @@ def graph_mode(c, steps: int) -> float:
   cfg = ModelConfig.from_config(c)
   mesh = make_mesh(devices=jax.devices()[:1])
   with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_RULES):
-    model = Llama(cfg, rngs=nnx.Rngs(0))
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
     opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     b = {k: jnp.asarray(v) for k, v in batch_of(c).items()}
 

@@ -11,9 +11,15 @@
 Shapes: q_BTHE, k_BSKE, v_BSKE with K kv heads dividing H query heads (grouped-query attention;
 K/V are never repeated in memory: queries are regrouped as [B, T, K, G, E]). `segment_ids_BT`
 marks packed documents (0 = padding): a token attends only to earlier tokens of its own segment.
+`window` W (causal only; None: none) is a sliding window as in Hugging Face's
+`sliding_window_overlay`: query i sees key j iff 0 <= i + S - T - j < W, i.e. its W most recent
+keys, its own included (array-index distance, which inside a packed document is position
+distance). Every impl takes it; context parallelism does not (a ValueError).
 """
 
 from __future__ import annotations
+
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +29,11 @@ from jaxtrain.parallel.context_attention import context_attention
 from jaxtrain.parallel.context_parallel import context_size
 from jaxtrain.parallel.pipeline import stage_count
 from jaxtrain.parallel.mesh import logical_to_spec
-from kernels_pallas.flash_attention import current_platform, flash_attention
+from kernels_pallas.flash_attention import check_window, current_platform, flash_attention
 
 IMPLS = ("xla", "pallas", "cudnn", "auto")
+_CONTEXT_WINDOW_ERROR = ("sliding-window attention (model.sliding_window) under context "
+                         "parallelism (mesh.context > 1) is not supported; use mesh.context=1")
 _AUTO = {"gpu": "cudnn", "tpu": "pallas"}
 
 
@@ -50,12 +58,16 @@ def resolve_impl(impl: str, platform: str | None = None, interpret: bool = False
   return impl
 
 
-def attention_mask(segment_ids_BT: jax.Array | None, t: int, s: int,
-                   causal: bool = True) -> jax.Array:
-  """Boolean [B or 1, 1, T, S]: causal and same-segment. Every row keeps its diagonal."""
+def attention_mask(segment_ids_BT: jax.Array | None, t: int, s: int, causal: bool = True,
+                   window: int | None = None) -> jax.Array:
+  """Boolean [B or 1, 1, T, S]: causal, within the sliding window (needs causal) and
+  same-segment. Every row keeps its diagonal."""
+  check_window(window, causal)
   mask_TS = jnp.ones((t, s), dtype=bool)
   if causal:
     mask_TS = jnp.tril(mask_TS, k=s - t)
+  if window is not None:
+    mask_TS = jnp.triu(mask_TS, k=s - t - window + 1)  # key j >= (i + s - t) - window + 1
   mask = mask_TS[None, None]
   if segment_ids_BT is not None:
     same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
@@ -63,7 +75,8 @@ def attention_mask(segment_ids_BT: jax.Array | None, t: int, s: int,
   return mask
 
 
-def xla_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True, sm_scale=None):
+def xla_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True, sm_scale=None,
+                  window=None):
   """Reference attention in plain jnp: float32 softmax, GQA without repeating K/V.
 
   Heads-major inside: the G query heads of a kv head are stacked along the query axis
@@ -80,38 +93,67 @@ def xla_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True, s
   logits_BKMS = jnp.einsum("BKME,BKSE->BKMS", q_BKME, k_BKSE,
                            preferred_element_type=jnp.float32) * sm_scale
   logits_BKGTS = logits_BKMS.reshape(b, k, g, t, s)
-  mask_B11TS = attention_mask(segment_ids_BT, t, s, causal)[:, :, None]
+  mask_B11TS = attention_mask(segment_ids_BT, t, s, causal, window)[:, :, None]
   logits_BKGTS = jnp.where(mask_B11TS, logits_BKGTS, jnp.finfo(jnp.float32).min)
   probs_BKMS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKE.dtype).reshape(b, k, g * t, s)
   out_BKGTE = jnp.einsum("BKMS,BKSE->BKME", probs_BKMS, v_BKSE).reshape(b, k, g, t, e)
   return out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
 
 
-def cached_attention(q_BCHE, k_BSKE, v_BSKE, positions_BC, dtype) -> jax.Array:
+def _cache_window_mask(behind_BCS, window):
+  """Boolean [B, C, S] of keys less than `window` positions behind their query, or None when
+  `window` (None, an int or a traced int32 scalar; <= 0: no window) is statically no window."""
+  if window is None:
+    return None
+  if isinstance(window, numbers.Integral):
+    return behind_BCS < window if window > 0 else None
+  # Traced (a per-layer value inside a scan over layers): global layers pass 0 at run time.
+  return (behind_BCS < window) | (window <= 0)
+
+
+def cached_attention(q_BCHE, k_BSKE, v_BSKE, positions_BC, dtype, *, window=None,
+                     sm_scale=None) -> jax.Array:
   """C new queries per row against a KV cache of S positions (generation): each query sees the
   cached keys at or before its own position, so a cache's unwritten tail never leaks in.
-  Scores and softmax in float32, the weighted sum in `dtype`."""
+  Scores and softmax in float32, the weighted sum in `dtype`.
+
+  `window`: None, an int or a traced int32 scalar (a per-layer value from inside a scan): the
+  query at position p sees cache position j iff j <= p and p - j < window; a value <= 0 means
+  no window. `sm_scale`: the logit scale, E**-0.5 by default.
+  """
   b, c, h, e = q_BCHE.shape
   s, k = k_BSKE.shape[1], k_BSKE.shape[2]
+  sm_scale = e ** -0.5 if sm_scale is None else sm_scale
   q_BCKGE = q_BCHE.reshape(b, c, k, h // k, e)
   logits_BKGCS = jnp.einsum("BCKGE,BSKE->BKGCS", q_BCKGE, k_BSKE.astype(dtype),
-                            preferred_element_type=jnp.float32) * e ** -0.5
-  visible_BCS = jnp.arange(s)[None, None, :] <= positions_BC[:, :, None]
+                            preferred_element_type=jnp.float32) * sm_scale
+  behind_BCS = positions_BC[:, :, None] - jnp.arange(s)[None, None, :]
+  visible_BCS = behind_BCS >= 0
+  window_BCS = _cache_window_mask(behind_BCS, window)
+  if window_BCS is not None:
+    visible_BCS &= window_BCS
   logits_BKGCS = jnp.where(visible_BCS[:, None, None], logits_BKGCS, jnp.finfo(jnp.float32).min)
   probs_BKGCS = jax.nn.softmax(logits_BKGCS, axis=-1).astype(dtype)
   return jnp.einsum("BKGCS,BSKE->BCKGE", probs_BKGCS, v_BSKE.astype(dtype)).reshape(b, c, h, e)
 
 
-def cudnn_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True, sm_scale=None):
+def cudnn_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True, sm_scale=None,
+                    window=None):
+  """cuDNN's fused kernel. A window becomes jax's local_window_size (W - 1, 0): W - 1 keys left
+  of the diagonal, none right; cuDNN's sliding_window_length W, keys in (i - W, i]."""
+  check_window(window, causal)
   mask = None
   if segment_ids_BT is not None:
     mask = attention_mask(segment_ids_BT, q_BTHE.shape[1], k_BSKE.shape[1], causal=False)
+  local_window_size = None if window is None else (window - 1, 0)
   return jax.nn.dot_product_attention(q_BTHE, k_BSKE, v_BSKE, mask=mask, scale=sm_scale,
-                                      is_causal=causal, implementation="cudnn")
+                                      is_causal=causal, local_window_size=local_window_size,
+                                      implementation="cudnn")
 
 
 def pallas_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True,
-                     sm_scale=None, interpret=False, block_q=None, block_k=None, platform=None):
+                     sm_scale=None, interpret=False, block_q=None, block_k=None, platform=None,
+                     window=None):
   """The flash-attention kernels, run per shard under a mesh.
 
   A pallas_call is opaque to XLA's SPMD partitioner, so under a mesh it runs inside shard_map:
@@ -122,7 +164,7 @@ def pallas_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True
   def local(q, k, v, seg):
     return flash_attention(q, k, v, causal=causal, segment_ids=seg, sm_scale=sm_scale,
                            interpret=interpret, block_q=block_q, block_k=block_k,
-                           platform=platform)
+                           platform=platform, window=window)
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
@@ -159,7 +201,7 @@ def context_kernel_platform(impl: str, platform: str, interpret: bool = False) -
 
 def attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, impl="xla", causal=True,
               sm_scale=None, platform=None, interpret=False, block_q=None, block_k=None,
-              context_parallel="all_gather", load_balance=True):
+              context_parallel="all_gather", load_balance=True, window=None):
   """Causal (by default) attention within segments; returns [B, T, H, E] in q's dtype.
 
   `platform` is what the program compiles for ("cpu", "gpu", "tpu"; the model passes its
@@ -167,12 +209,16 @@ def attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, impl="xla", causal
   apply to `pallas` only. Under a mesh whose `context` axis is > 1 the sequence is split over it
   (in the layout `load_balance` names) and `context_parallel` says how attention crosses the
   split (jaxtrain.parallel.context_attention: our Pallas kernels per chunk pair on GPU, exact jnp tiles
-  elsewhere).
+  elsewhere). `window`: a static sliding-window size (None: none; needs causal); not supported
+  under context parallelism.
   """
+  check_window(window, causal)
   platform = platform or current_platform()
   impl = resolve_impl(impl, platform, interpret=interpret)
   impl = impl_under_stages(impl, stage_count())
   if context_size() > 1:
+    if window is not None:
+      raise ValueError(_CONTEXT_WINDOW_ERROR)
     return context_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, strategy=context_parallel,
                              balanced=load_balance, causal=causal, sm_scale=sm_scale,
                              kernel_platform=context_kernel_platform(impl, platform, interpret),
@@ -180,6 +226,7 @@ def attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, impl="xla", causal
   if impl == "pallas":
     return pallas_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, causal=causal,
                             sm_scale=sm_scale, interpret=interpret, block_q=block_q,
-                            block_k=block_k, platform=platform)
+                            block_k=block_k, platform=platform, window=window)
   fn = {"xla": xla_attention, "cudnn": cudnn_attention, "blockwise": blockwise_attention}[impl]
-  return fn(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, causal=causal, sm_scale=sm_scale)
+  return fn(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, causal=causal, sm_scale=sm_scale,
+            window=window)

@@ -11,7 +11,11 @@ tensors that the accelerator program never allocates (34 GB per layer for Llama 
 It also runs anywhere, so it is tested against `attention.xla_attention` for values and grads.
 
 Work is not skipped for causally masked blocks, so its FLOPs are those of full (non-causal)
-attention. Shapes: q_BTHE, k_BSKE, v_BSKE; H = K * G (grouped-query attention); C block length.
+attention. An optional sliding window W (causal only: query i sees key j iff
+0 <= i + S - T - j < W) is only a mask too: each step scores one key block against all T
+queries at once, and with S == T every key block is seen by some query (key j by query j).
+
+Shapes: q_BTHE, k_BSKE, v_BSKE; H = K * G (grouped-query attention); C block length.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from kernels_pallas.flash_attention import check_window
 
 DEFAULT_BLOCK = 128
 _MASKED = jnp.finfo(jnp.float32).min  # as in xla_attention; finite, so max/exp never give NaN
@@ -34,10 +40,13 @@ def _blocks(x_BS, c: int, fill):
   return x_BS.reshape(b, (s + pad) // c, c, *x_BS.shape[2:]).swapaxes(0, 1)
 
 
-def _block_mask(q_seg_BT, k_seg_BC, k_pos_C, t: int, s: int, causal: bool):
-  """Boolean [B, 1, 1, T, C]: same segment, key inside the sequence, causal (as xla_attention)."""
+def _block_mask(q_seg_BT, k_seg_BC, k_pos_C, t: int, s: int, causal: bool, window):
+  """Boolean [B, 1, 1, T, C]: same segment, key inside the sequence, causal and within the
+  window (as xla_attention)."""
   q_pos_T = jnp.arange(t) + (s - t)  # queries are the last T of the S positions
   mask_TC = (k_pos_C[None, :] < s) & (k_pos_C[None, :] <= q_pos_T[:, None] if causal else True)
+  if window is not None:
+    mask_TC &= q_pos_T[:, None] - k_pos_C[None, :] < window
   mask_BTC = mask_TC[None] & (q_seg_BT[:, :, None] == k_seg_BC[:, None, :])
   return mask_BTC[:, None, None]
 
@@ -48,7 +57,7 @@ def _scores(q_BTKGE, k_BCKE, mask_B11TC, sm_scale):
   return jnp.where(mask_B11TC, s_BKGTC, _MASKED)
 
 
-def _forward(q_BTHE, k_BSKE, v_BSKE, seg_BT, seg_BS, causal, sm_scale, block):
+def _forward(q_BTHE, k_BSKE, v_BSKE, seg_BT, seg_BS, causal, sm_scale, block, window):
   b, t, h, e = q_BTHE.shape
   s, k = k_BSKE.shape[1], k_BSKE.shape[2]
   q_BTKGE = q_BTHE.reshape(b, t, k, h // k, e)
@@ -62,7 +71,7 @@ def _forward(q_BTHE, k_BSKE, v_BSKE, seg_BT, seg_BS, causal, sm_scale, block):
     j, m_BKGT, l_BKGT, acc_BKGTE = carry
     k_BCKE, v_BCKE, kseg_BC = x
     kpos_C = j * block + jnp.arange(block)
-    s_BKGTC = _scores(q_BTKGE, k_BCKE, _block_mask(seg_BT, kseg_BC, kpos_C, t, s, causal),
+    s_BKGTC = _scores(q_BTKGE, k_BCKE, _block_mask(seg_BT, kseg_BC, kpos_C, t, s, causal, window),
                       sm_scale)
     m_new = jnp.maximum(m_BKGT, s_BKGTC.max(-1))
     p_BKGTC = jnp.exp(s_BKGTC - m_new[..., None])
@@ -81,17 +90,18 @@ def _forward(q_BTHE, k_BSKE, v_BSKE, seg_BT, seg_BS, causal, sm_scale, block):
   return out_BTHE, m_BKGT + jnp.log(l_BKGT)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _attention(q_BTHE, k_BSKE, v_BSKE, seg_BT, seg_BS, causal, sm_scale, block):
-  return _forward(q_BTHE, k_BSKE, v_BSKE, seg_BT, seg_BS, causal, sm_scale, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention(q_BTHE, k_BSKE, v_BSKE, seg_BT, seg_BS, causal, sm_scale, block, window):
+  return _forward(q_BTHE, k_BSKE, v_BSKE, seg_BT, seg_BS, causal, sm_scale, block, window)[0]
 
 
-def _attention_fwd(q_BTHE, k_BSKE, v_BSKE, seg_BT, seg_BS, causal, sm_scale, block):
-  out_BTHE, lse_BKGT = _forward(q_BTHE, k_BSKE, v_BSKE, seg_BT, seg_BS, causal, sm_scale, block)
+def _attention_fwd(q_BTHE, k_BSKE, v_BSKE, seg_BT, seg_BS, causal, sm_scale, block, window):
+  out_BTHE, lse_BKGT = _forward(q_BTHE, k_BSKE, v_BSKE, seg_BT, seg_BS, causal, sm_scale, block,
+                                window)
   return out_BTHE, (q_BTHE, k_BSKE, v_BSKE, seg_BT, seg_BS, out_BTHE, lse_BKGT)
 
 
-def _attention_bwd(causal, sm_scale, block, residuals, dout_BTHE):
+def _attention_bwd(causal, sm_scale, block, window, residuals, dout_BTHE):
   q_BTHE, k_BSKE, v_BSKE, seg_BT, seg_BS, out_BTHE, lse_BKGT = residuals
   b, t, h, e = q_BTHE.shape
   s, k = k_BSKE.shape[1], k_BSKE.shape[2]
@@ -107,7 +117,7 @@ def _attention_bwd(causal, sm_scale, block, residuals, dout_BTHE):
     j, dq_BTKGE = carry
     k_BCKE, v_BCKE, kseg_BC = x
     kpos_C = j * block + jnp.arange(block)
-    s_BKGTC = _scores(q_BTKGE, k_BCKE, _block_mask(seg_BT, kseg_BC, kpos_C, t, s, causal),
+    s_BKGTC = _scores(q_BTKGE, k_BCKE, _block_mask(seg_BT, kseg_BC, kpos_C, t, s, causal, window),
                       sm_scale)
     p_BKGTC = jnp.exp(s_BKGTC - lse_BKGT[..., None])
     dv_BCKE = jnp.einsum("BKGTC,BTKGE->BCKE", p_BKGTC.astype(dout_BTKGE.dtype), dout_BTKGE,
@@ -138,8 +148,11 @@ _attention.defvjp(_attention_fwd, _attention_bwd, optimize_remat=True)
 
 
 def blockwise_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True,
-                        sm_scale=None, block=DEFAULT_BLOCK):
-  """Same result as `attention.xla_attention` (causal within segments), in [T, block] pieces."""
+                        sm_scale=None, block=DEFAULT_BLOCK, window=None):
+  """Same result as `attention.xla_attention` (causal within segments, within the sliding
+  `window` if given), in [T, block] pieces."""
+  check_window(window, causal)
+  window = None if window is None else int(window)  # a hashable static of the custom_vjp
   b, t, _, e = q_BTHE.shape
   s = k_BSKE.shape[1]
   if segment_ids_BT is None:
@@ -148,4 +161,4 @@ def blockwise_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=T
     seg_BT, seg_BS = segment_ids_BT[:, -t:], segment_ids_BT
   sm_scale = e ** -0.5 if sm_scale is None else float(sm_scale)
   return _attention(q_BTHE, k_BSKE, v_BSKE, seg_BT.astype(jnp.int32), seg_BS.astype(jnp.int32),
-                    causal, sm_scale, min(block, s))
+                    causal, sm_scale, min(block, s), window)

@@ -14,19 +14,22 @@ import os
 import ml_collections
 from ml_collections import config_dict
 
+from jaxtrain.models.features import ALL_PROJECTIONS
+
 # The offload variants keep what their base policy saves in pinned host memory (model.py).
 REMAT_POLICIES = ("none", "full", "minimal", "save_dots", "save_qkv_proj", "minimal_offload",
                   "save_dots_offload", "save_qkv_proj_offload")
 ATTENTION_IMPLS = ("xla", "pallas", "cudnn", "auto")
-ROPE_SCALING_TYPES = ("none", "llama3")
+ROPE_SCALING_TYPES = ("none", "llama3", "linear")
 DTYPES = ("float32", "bfloat16", "float16")
 # Adam moments: float16 is refused, its range underflows the second moment of small grads.
 STATE_DTYPES = ("float32", "bfloat16")
 OBJECTIVES = ("lm", "dpo", "grpo")
 # grpo.on_reward_error: stop the run, or skip the batch of rollouts (drawing the next prompts).
 REWARD_ERROR_POLICIES = ("stop", "skip")
-# Projections that can carry LoRA adapters: attention q/k/v/o and the SwiGLU MLP's three.
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# Projections that can carry LoRA adapters: attention q/k/v/o and the gated MLP's three (each
+# family lists which of them it allows: models/features.py).
+LORA_TARGETS = ALL_PROJECTIONS
 # Storage of the frozen base weights under LoRA (QLoRA when quantized): int8 and 4-bit codes
 # (int4: uniform levels, nf4: the normal-float levels of QLoRA) with per-group scales.
 BASE_QUANTIZATIONS = ("none", "int8", "int4", "nf4")
@@ -45,6 +48,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.target = "cpu"
 
   c.model = ml_collections.ConfigDict()
+  # The model family (jaxtrain/models/registry.py): llama, qwen3, qwen2, mistral, gemma3. What
+  # it changes in the shared decoder is listed in docs/models.md; the keys below are its sizes.
+  c.model.family = "llama"
   c.model.vocab_size = 32000
   c.model.num_layers = 2
   c.model.d_model = 256
@@ -55,12 +61,23 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.norm_eps = 1e-5
   c.model.rope_theta = 10000.0
   c.model.rope_scaling = ml_collections.ConfigDict()
-  c.model.rope_scaling.type = "none"  # "none" | "llama3"
+  # "none" | "llama3" (factor and the three fields below) | "linear" (positions / factor)
+  c.model.rope_scaling.type = "none"
   c.model.rope_scaling.factor = 8.0
   c.model.rope_scaling.low_freq_factor = 1.0
   c.model.rope_scaling.high_freq_factor = 4.0
   c.model.rope_scaling.original_max_position_embeddings = 8192
   c.model.max_position_embeddings = 8192
+  # Sliding-window attention: on "sliding" layers a token sees the sliding_window tokens ending at
+  # itself (0: no window). layer_types: comma-separated "full"/"sliding", one per layer; empty:
+  # every layer sliding when sliding_window > 0, else full (Gemma 3: five sliding, one full).
+  c.model.sliding_window = 0
+  c.model.layer_types = ""
+  # RoPE base of the sliding layers (plain RoPE, no scaling; Gemma 3: 10000); 0: their RoPE is
+  # the full layers'.
+  c.model.local_rope_theta = 0.0
+  # Attention's softmax scale is query_pre_attn_scalar ** -0.5 (Gemma 3); 0: head_dim ** -0.5.
+  c.model.query_pre_attn_scalar = 0.0
   c.model.tie_embeddings = False
   c.model.init_std = 0.02
   c.model.scan_layers = True
@@ -266,14 +283,29 @@ def default_config() -> ml_collections.ConfigDict:
   return c
 
 
+def accelerator_config(*, target: str, global_batch_size: int) -> ml_collections.ConfigDict:
+  """default_config() with the training defaults of the accelerator configs in configs/ (8K
+  sequences, scanned layers under `minimal` remat, float32 master weights with bfloat16 compute,
+  the best attention kernel of the target); each config then gives its model's sizes."""
+  c = default_config()
+  c.target = target
+  m = c.model
+  m.scan_layers, m.remat_policy = True, "minimal"
+  m.param_dtype, m.dtype = "float32", "auto"
+  c.attention.impl = "auto"
+  c.train.global_batch_size, c.train.seq_len, c.train.steps = global_batch_size, 8192, 10000
+  c.train.loss_chunk_size = 1024
+  c.optim.learning_rate, c.optim.warmup_steps = 3e-4, 1000
+  return c
+
+
 def llama3_config(*, num_layers: int, d_model: int, num_heads: int, head_dim: int, mlp_dim: int,
                   tie_embeddings: bool, rope_factor: float, global_batch_size: int,
                   target: str) -> ml_collections.ConfigDict:
   """What every published Llama 3.x size shares (vocab, 8 kv heads, RoPE theta and llama3
   scaling, norm eps), with training defaults for accelerators; configs/ give the dims and the
   target they are sized for."""
-  c = default_config()
-  c.target = target
+  c = accelerator_config(target=target, global_batch_size=global_batch_size)
   m = c.model
   m.vocab_size, m.num_layers, m.d_model = 128256, num_layers, d_model
   m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim = num_heads, 8, head_dim, mlp_dim
@@ -282,12 +314,6 @@ def llama3_config(*, num_layers: int, d_model: int, num_heads: int, head_dim: in
   m.rope_scaling.low_freq_factor, m.rope_scaling.high_freq_factor = 1.0, 4.0
   m.rope_scaling.original_max_position_embeddings = 8192
   m.max_position_embeddings = 131072
-  m.scan_layers, m.remat_policy = True, "minimal"
-  m.param_dtype, m.dtype = "float32", "auto"
-  c.attention.impl = "auto"
-  c.train.global_batch_size, c.train.seq_len, c.train.steps = global_batch_size, 8192, 10000
-  c.train.loss_chunk_size = 1024
-  c.optim.learning_rate, c.optim.warmup_steps = 3e-4, 1000
   return c
 
 
@@ -301,7 +327,8 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
 
 
 def lora_targets(config) -> tuple[str, ...]:
-  """lora.targets as a tuple of names from LORA_TARGETS, in their canonical order."""
+  """lora.targets as a tuple of names from LORA_TARGETS, in their canonical order (the family
+  may allow fewer: config_checks refuses the others)."""
   names = {n.strip() for n in config.lora.targets.split(",") if n.strip()}
   return tuple(n for n in LORA_TARGETS if n in names)
 

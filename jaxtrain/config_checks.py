@@ -16,7 +16,9 @@ from jaxtrain.parallel.pipeline import resolve_microbatches
 from jaxtrain.parallel.mesh import (DCN_AXES, MESH_AXES, MeshShape, check_divides,
                            resolve_shape)
 from jaxtrain.config import (ATTENTION_IMPLS, DTYPES, LORA_TARGETS, OBJECTIVES, REMAT_POLICIES,
-                             ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError)
+                             ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError, lora_targets)
+from jaxtrain.models import registry
+from jaxtrain.models.config import LAYER_TYPES, SLIDING, parse_layer_types
 
 
 def resolve_mesh_shape(config, num_devices: int) -> MeshShape:
@@ -72,6 +74,39 @@ def _check_context(config, mesh: MeshShape):
              if a.load_balance and length % shards == 0 else "")
     raise ConfigError(f"train.seq_len={t.seq_len}: {row} does not split into {how}; use "
                       f"train.seq_len={fix}{other}")
+
+
+def _check_family(config):
+  """model.family and the architecture keys only some families use."""
+  m = config.model
+  try:
+    family = registry.get(m.family)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  if m.sliding_window < 0:
+    raise ConfigError(f"model.sliding_window={m.sliding_window}: must be >= 0 (0: no window)")
+  layer_types = parse_layer_types(m.layer_types)
+  bad = [t for t in layer_types if t not in LAYER_TYPES]
+  if bad:
+    raise ConfigError(f"model.layer_types: {bad[0]!r} is not a layer type; give one of "
+                      f"{', '.join(LAYER_TYPES)} per layer, comma-separated")
+  if layer_types and len(layer_types) != m.num_layers:
+    raise ConfigError(f"model.layer_types: {len(layer_types)} entries for model.num_layers="
+                      f"{m.num_layers}; give one per layer (or '' for all alike)")
+  if SLIDING in layer_types and not m.sliding_window:
+    raise ConfigError("model.layer_types: names sliding layers but model.sliding_window=0; set "
+                      "the window size")
+  for key in ("local_rope_theta", "query_pre_attn_scalar"):
+    if m[key] < 0:
+      raise ConfigError(f"model.{key}={m[key]}: must be >= 0 (0: the default)")
+  if m.rope_scaling.type == "linear" and m.rope_scaling.factor <= 0:
+    raise ConfigError(f"model.rope_scaling.factor={m.rope_scaling.factor}: must be positive")
+  if config.lora.rank > 0:
+    refused = [t for t in lora_targets(config) if t not in family.lora_targets]
+    if refused:
+      raise ConfigError(f"lora.targets: {refused[0]!r} is not a projection model.family="
+                        f"{family.name!r} can adapt; choose from "
+                        f"{', '.join(family.lora_targets)}")
 
 
 def _check_pipeline(config, mesh: MeshShape):
@@ -196,6 +231,7 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
                       f"{m.num_heads} (grouped-query attention); pick a divisor of it")
   if m.head_dim % 2:
     raise ConfigError(f"model.head_dim={m.head_dim}: must be even for rotary embeddings")
+  _check_family(config)
 
   mesh = resolve_mesh_shape(config, num_devices)
   try:
@@ -203,6 +239,10 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
   except ValueError as e:
     raise ConfigError(str(e)) from None
   _check_context(config, mesh)
+  if mesh.context > 1 and config.model.sliding_window:
+    raise ConfigError(f"model.sliding_window={config.model.sliding_window}: sliding-window "
+                      f"attention under context parallelism (mesh.context={mesh.context}) is not "
+                      f"supported; use mesh.context=1 (a window bounds attention's memory anyway)")
   _check_pipeline(config, mesh)
 
   t = config.train
@@ -330,10 +370,11 @@ def _check_finetuning(config):
       raise ConfigError(f"lora.dropout={lora.dropout}: must be in [0, 1)")
   # The model's own check of its LoRA/QLoRA fields (rank, quantization, targets, group size
   # against the projections' input sizes), so a bad value stops here, before anything compiles.
-  from jaxtrain.model import ModelConfig  # pylint: disable=import-outside-toplevel  (cycle)
+  from jaxtrain.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
   from jaxtrain.peft import check_config  # pylint: disable=import-outside-toplevel
   try:
-    check_config(ModelConfig.from_config(config, platform="cpu"))
+    model_cfg = ModelConfig.from_config(config, platform="cpu")
+    check_config(model_cfg.peft, model_cfg.arch)
   except ValueError as e:
     raise ConfigError(str(e)) from None
 

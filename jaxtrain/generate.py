@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.model import Llama
+from jaxtrain.models.decoder import Decoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +64,13 @@ def sample_token(logits_BV, key, temperature: float, top_p: float) -> jax.Array:
 
 
 @functools.partial(nnx.jit, static_argnames=("sampling",))
-def generate_tokens(model: Llama, prompt_BP, lengths_B, key, sampling: SamplingConfig):
+def generate_tokens(model: Decoder, prompt_BP, lengths_B, key, sampling: SamplingConfig):
   """[B, max_new_tokens] int32 continuations of right-padded prompts (row b: first lengths_B[b]
   tokens). After a row emits `sampling.eos_id` it emits only that id."""
   return sample_continuations(model, prompt_BP, lengths_B, key, sampling)
 
 
-def sample_continuations(model: Llama, prompt_BP, lengths_B, key, sampling: SamplingConfig):
+def sample_continuations(model: Decoder, prompt_BP, lengths_B, key, sampling: SamplingConfig):
   """`generate_tokens` without its jit, for callers that trace it inside their own (the GRPO
   rollouts, which merge the model from the live sharded params)."""
   b, p = prompt_BP.shape
@@ -101,7 +101,7 @@ def sample_continuations(model: Llama, prompt_BP, lengths_B, key, sampling: Samp
   return out_BN
 
 
-def generate(model: Llama, prompts: list[np.ndarray], sampling: SamplingConfig,
+def generate(model: Decoder, prompts: list[np.ndarray], sampling: SamplingConfig,
              seed: int = 0) -> list[np.ndarray]:
   """Continuations of token-id prompts (each cut at its first EOS, which is kept)."""
   if not prompts or any(len(p) == 0 for p in prompts):

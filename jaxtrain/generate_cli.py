@@ -36,7 +36,7 @@ def load(checkpoint: str, config_path: str | None = None):
   from jaxtrain import run_weights  # pylint: disable=import-outside-toplevel
   from jaxtrain.config import ConfigError, load_config_file  # pylint: disable=import-outside-toplevel
   from jaxtrain.parallel.mesh import make_mesh  # pylint: disable=import-outside-toplevel
-  from jaxtrain.model import ModelConfig  # pylint: disable=import-outside-toplevel
+  from jaxtrain.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
 
   if not os.path.isdir(checkpoint):
     raise ConfigError(f"--checkpoint={checkpoint!r}: no such directory")
@@ -56,7 +56,7 @@ def load(checkpoint: str, config_path: str | None = None):
   mesh = make_mesh(devices=jax.devices()[:1])
   # Generation computes one token at a time: no remat, and the dense xla attention suffices.
   config.model.remat_policy = "none"
-  cfg = dataclasses.replace(ModelConfig.from_config(config), attention_impl="xla")
+  cfg = ModelConfig.from_config(config).replace(attention_impl="xla")
   # A LoRA run's adapters come merged into its base: generation runs the plain model.
   model, _ = run_weights.load_plain_model(checkpoint, config, mesh, cfg)
   return model, config

@@ -1,28 +1,13 @@
 """Parameter and FLOP accounting, peak FLOP/s per device, MFU, and the run's metric writers.
 
-FLOPs per token -- the one formula used everywhere (console, metrics.jsonl, start-of-run table):
-
-    flops_per_token = 6 * N_matmul + 6 * L * T * H * E
-
-  N_matmul  parameters that take part in a matmul: per layer the q, k, v, o projections and the
-            MLP gate/up/down, plus the lm head (D*V). The embedding lookup table and the RMSNorm
-            scales are excluded (a gather and elementwise scales do no matmul FLOPs). With
-            `tie_embeddings` the embedding matrix *is* the lm head, so D*V counts exactly once.
-  6 *       2 FLOPs per multiply-add in the forward pass, and training = forward + backward where
-            the backward costs 2x the forward (gradients w.r.t. activations and weights), so 3x.
-  attention QK^T and AV are two matmuls of 2*T*H*E FLOPs per token per layer each in the forward
-            pass, i.e. 4*T*H*E for the full T x T score matrix. Causal masking makes half of it
-            useful work, so we count 0.5 of it (FLOPs on masked entries are not credited even if a
-            kernel computes them). Training triples it: 3 * L * 4*T*H*E * 0.5 = 6*L*T*H*E.
-
-  L layers, T sequence length, H query heads, E head dim. Not counted: RMSNorm, RoPE, softmax,
-  SwiGLU's elementwise product, the loss -- all O(D) per token and negligible next to the matmuls.
-  Rematerialisation is also not counted: MFU credits model FLOPs, not recomputed ones.
+Parameters and FLOPs per token come from the model (jaxtrain/models/cost.py: one definition for
+every family, from its architecture); the functions here take an Architecture
+(`ModelConfig.arch`, or `models.config.architecture_of(config.model)`).
 
 MFU = tokens_per_sec * flops_per_token / (peak FLOP/s per device * number of devices). The peak
 comes from the accelerator table's dense bf16 figures (jaxtrain/dryrun/targets.py); on CPU it is
-measured (see `measure_cpu_matmul_peak`). Unknown accelerators get no peak, and MFU is reported as n/a rather
-than a number computed against a guessed peak.
+measured (see `measure_cpu_matmul_peak`). Unknown accelerators get no peak, and MFU is reported as
+n/a rather than a number computed against a guessed peak.
 """
 
 from __future__ import annotations
@@ -38,6 +23,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from jaxtrain.dryrun import targets
+from jaxtrain.models import cost
 
 # Size of the square float32 matmul used to measure a CPU host: big enough that dispatch overhead
 # is negligible and XLA spreads it over all cores, small enough to time in tens of milliseconds.
@@ -50,58 +36,19 @@ _CPU_MEASURE_BUDGET_S = 1.0
 # --------------------------------------------------------------------------------------------
 
 
-def _dims(model_config) -> tuple[int, int, int, int, int, int, int]:
-  m = model_config
-  return (int(m.num_layers), int(m.d_model), int(m.num_heads), int(m.num_kv_heads),
-          int(m.head_dim), int(m.mlp_dim), int(m.vocab_size))
+def count_params(arch) -> int:
+  """Parameters of the model `arch` (an Architecture); Llama 3.1 8B gives 8,030,261,248."""
+  return cost.param_count(arch)
 
 
-def _matmul_params_per_layer(model_config) -> int:
-  _, d, h, k, e, f, _ = _dims(model_config)
-  attention = d * h * e + 2 * d * k * e + h * e * d  # q, k+v (grouped-query), o
-  mlp = 3 * d * f  # gate, up, down (SwiGLU)
-  return attention + mlp
+def flops_per_token(arch, seq_len: int) -> float:
+  """Training (forward + backward) FLOPs per token; see jaxtrain/models/cost.py."""
+  return cost.flops_per_token(arch, seq_len)
 
 
-def count_params(model_config) -> int:
-  """Analytic parameter count of the Llama model described by `model_config` (config.model).
-
-  Embedding V*D; per layer q D*H*E, k and v D*K*E each, o H*E*D, MLP 3*D*F, two RMSNorm scales
-  2*D; final norm D; lm head D*V unless `tie_embeddings`. Llama 3.1 8B gives 8,030,261,248.
-  """
-  num_layers, d, _, _, _, _, v = _dims(model_config)
-  per_layer = _matmul_params_per_layer(model_config) + 2 * d
-  head = 0 if model_config.tie_embeddings else d * v
-  return v * d + num_layers * per_layer + d + head
-
-
-def matmul_params(model_config) -> int:
-  """N_matmul: parameters used in matmuls; all layer projections plus the lm head (D*V, once).
-
-  The embedding lookup and norm scales are excluded. Tied or not, the head matmul happens once,
-  so this does not depend on `tie_embeddings`.
-  """
-  num_layers, d, _, _, _, _, v = _dims(model_config)
-  return num_layers * _matmul_params_per_layer(model_config) + d * v
-
-
-def flops_per_token(model_config, seq_len: int) -> float:
-  """Training (forward + backward) FLOPs per token: 6 * N_matmul + 6 * L * T * H * E.
-
-  N_matmul is `matmul_params(model_config)`; the attention term is QK^T and AV (4*T*H*E forward
-  FLOPs per token per layer for the full score matrix), halved for causal masking and tripled for
-  forward + backward. See the module docstring for the full derivation.
-  """
-  num_layers, _, h, _, e, _, _ = _dims(model_config)
-  t = int(seq_len)
-  dense = 6.0 * matmul_params(model_config)
-  attention = 3.0 * num_layers * (4.0 * t * h * e) * 0.5  # = 6 * L * T * H * E
-  return dense + attention
-
-
-def flops_per_step(model_config, seq_len: int, global_batch_size: int) -> float:
+def flops_per_step(arch, seq_len: int, global_batch_size: int) -> float:
   """Training FLOPs per optimizer step: flops_per_token * seq_len * global_batch_size."""
-  return flops_per_token(model_config, seq_len) * int(seq_len) * int(global_batch_size)
+  return flops_per_token(arch, seq_len) * int(seq_len) * int(global_batch_size)
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxtrain import checkpoint as ckpt_lib
-from jaxtrain.model import ModelConfig
+from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import abstract_model, init_params_fn
 
 
@@ -24,7 +24,7 @@ def load_plain_model(checkpoint: str, config, mesh: Mesh, model_cfg: ModelConfig
   """(plain model, the directory its weights came from) of `checkpoint` (a run's workdir,
   checkpoints/ or step directory, or a weights directory) trained with `config`."""
   cfg = model_cfg or ModelConfig.from_config(config)
-  if cfg.lora_rank == 0:
+  if cfg.peft.lora_rank == 0:
     graphdef, abstract, _ = abstract_model(cfg, mesh)
     params, source = ckpt_lib.load_params(checkpoint, abstract)
     return nnx.merge(graphdef, params), source
@@ -46,7 +46,7 @@ def load_plain_model(checkpoint: str, config, mesh: Mesh, model_cfg: ModelConfig
       base = jax.jit(init_params_fn(plain_cfg), out_shardings=base_shardings)(
           jax.random.key(seed))
     frozen = jax.jit(lambda b: peft.frozen_from_base(b, cfg), out_shardings=frozen_shardings,
-                     donate_argnums=0 if cfg.base_quant == "none" else ())(base)
+                     donate_argnums=0 if cfg.peft.base_quant == "none" else ())(base)
     merged = jax.jit(lambda a, f: peft.merged_params(nnx.merge(graphdef, a, f)),
                      out_shardings=base_shardings)(adapters, frozen)
   return nnx.merge(plain_graphdef, merged), source

@@ -12,7 +12,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxtrain.parallel.mesh import LOGICAL_RULES
-from jaxtrain.model import Llama, ModelConfig
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.decoder import Decoder
 
 
 def abstract_model(cfg: ModelConfig, mesh: Mesh, filters: tuple | None = None):
@@ -22,7 +23,7 @@ def abstract_model(cfg: ModelConfig, mesh: Mesh, filters: tuple | None = None):
   second and third items are tuples with one state per filter.
   """
   with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_RULES):
-    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     graphdef, *states = nnx.split(model, *(filters or ()))
     shardings = [nnx.get_named_sharding(state, mesh) for state in states]
   abstract = [jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -38,7 +39,7 @@ def init_params_fn(cfg: ModelConfig, trainable_only: bool = False):
   `trainable_only` (LoRA), only the adapters: XLA drops the unused base initialization."""
   def init(key):
     with nnx.logical_axis_rules(LOGICAL_RULES):
-      model = Llama(cfg, rngs=nnx.Rngs(params=key))
+      model = Decoder(cfg, rngs=nnx.Rngs(params=key))
       if trainable_only:
         from jaxtrain import peft  # pylint: disable=import-outside-toplevel  (peft imports model)
         return nnx.state(model, peft.trainable_filter(cfg))
@@ -55,7 +56,7 @@ def init_params(cfg: ModelConfig, mesh: Mesh, seed: int):
   return graphdef, params
 
 
-def create_model(cfg: ModelConfig, mesh: Mesh, seed: int = 0) -> Llama:
+def create_model(cfg: ModelConfig, mesh: Mesh, seed: int = 0) -> Decoder:
   """A sharded, ready-to-call model (tests, generation, interop)."""
   graphdef, params = init_params(cfg, mesh, seed)
   return nnx.merge(graphdef, params)

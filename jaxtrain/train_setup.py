@@ -20,7 +20,7 @@ from jaxtrain import objectives, optim
 from jaxtrain.checkpoint import abstract_like
 from jaxtrain.config import ConfigError
 from jaxtrain.parallel.mesh import mesh_platform
-from jaxtrain.model import ModelConfig
+from jaxtrain.models.config import ModelConfig
 from jaxtrain.objectives import LanguageModel, Objective
 from jaxtrain.sharding import abstract_model, init_params_fn
 from jaxtrain.train_step import (Frozen, TrainState, jit_eval_step, jit_train_step,
@@ -65,7 +65,7 @@ def abstract_state(setup: Setup, seed: int = 0) -> TrainState:
 def _split_model(model_cfg: ModelConfig, mesh: Mesh):
   """(graphdef, trained abstract params, their shardings, frozen abstract params or None, their
   shardings or None): all params, or under LoRA the adapters and the rest."""
-  if model_cfg.lora_rank == 0:
+  if model_cfg.peft.lora_rank == 0:
     graphdef, abstract_params, shardings = abstract_model(model_cfg, mesh)
     return graphdef, abstract_params, shardings, None, None
   from jaxtrain import peft  # pylint: disable=import-outside-toplevel
@@ -84,7 +84,7 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
   objective = objectives.get(config)
   graphdef, abstract_params, param_shardings, abstract_rest, rest_shardings = _split_model(
       model_cfg, mesh)
-  lora = model_cfg.lora_rank > 0
+  lora = model_cfg.peft.lora_rank > 0
   base_cfg = model_cfg
   if lora:
     from jaxtrain import peft  # pylint: disable=import-outside-toplevel
@@ -104,7 +104,7 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
     # quantized (new shapes: donating would only warn).
     make_frozen = jax.jit(lambda base: Frozen(base=peft.frozen_from_base(base, model_cfg)),
                           out_shardings=frozen_shardings,
-                          donate_argnums=0 if model_cfg.base_quant == "none" else ())
+                          donate_argnums=0 if model_cfg.peft.base_quant == "none" else ())
   elif objective.uses_reference:
     # Full fine-tuning: the reference is a frozen copy of the initial params.
     frozen_shardings = Frozen(reference=param_shardings)
@@ -122,7 +122,7 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
   state_from_params = jax.jit(from_params, out_shardings=shardings, donate_argnums=0)
   base_init_fn = jax.jit(init_params_fn(base_cfg), out_shardings=base_shardings)
   full_shardings = shardings.replace(frozen=frozen_shardings)
-  dropout_seed = config.train.seed if model_cfg.lora_dropout > 0 else None
+  dropout_seed = config.train.seed if model_cfg.peft.lora_dropout > 0 else None
   step = make_train_step(graphdef, tx, schedule,
                          grad_accum_steps=config.train.grad_accum_steps,
                          loss_chunk_size=config.train.loss_chunk_size,

@@ -63,7 +63,7 @@ def loss_sum_fn(params, graphdef, batch: Batch, loss_chunk_size: int, frozen=Non
   x_BTD = _hidden_states(model, batch, dropout_key)
   return chunked_cross_entropy(x_BTD, model.head_weights(), batch["targets"],
                                batch["loss_mask"], loss_chunk_size,
-                               model.cfg.explicit_transpose_for_dw)
+                               model.cfg.runtime.explicit_transpose_for_dw)
 
 
 def make_loss_sums(graphdef, *, objective="lm", loss_chunk_size: int = 512,

@@ -27,7 +27,7 @@ from jaxtrain import preflight
 from jaxtrain.health import LossSpikeDetector, check_bad_streak
 from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.mesh import DCN_AXES, MeshShape, make_mesh
-from jaxtrain.model import ModelConfig
+from jaxtrain.models.config import ModelConfig
 from jaxtrain.objectives import Objective
 from jaxtrain.rewards import RewardError
 from jaxtrain.train_setup import Setup, build
@@ -51,11 +51,11 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
     rows.append(("host memory", host_memory.describe()))
   rows += [
       ("mesh", mesh_shape.describe()),
-      ("parameters", f"{metrics_lib.format_count(metrics_lib.count_params(model_cfg))} "
-                     f"({metrics_lib.count_params(model_cfg):,})"),
-      ("model", f"L={model_cfg.num_layers} D={model_cfg.d_model} H={model_cfg.num_heads} "
-                f"K={model_cfg.num_kv_heads} E={model_cfg.head_dim} F={model_cfg.mlp_dim} "
-                f"V={model_cfg.vocab_size}"),
+      ("parameters", f"{metrics_lib.format_count(metrics_lib.count_params(model_cfg.arch))} "
+                     f"({metrics_lib.count_params(model_cfg.arch):,})"),
+      ("model", f"L={model_cfg.arch.num_layers} D={model_cfg.arch.d_model} H={model_cfg.arch.num_heads} "
+                f"K={model_cfg.arch.num_kv_heads} E={model_cfg.arch.head_dim} F={model_cfg.arch.mlp_dim} "
+                f"V={model_cfg.arch.vocab_size}"),
       ("global batch", f"{t.global_batch_size} seq × {t.seq_len} = {tokens:,} tokens"),
       ("per-device batch", f"{per_device:g} seq"
                            + (f" × 1/{mesh_shape.context} each" if mesh_shape.context > 1 else "")
@@ -65,25 +65,25 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
   if mesh_shape.stage > 1:
     stages, repeats = mesh_shape.stage, config.pipeline.repeats
     micro = pipeline.resolve_microbatches(config.pipeline.microbatches, stages)
-    rows.append(("pipeline", pipeline.describe(stages, model_cfg.num_layers, micro, repeats,
+    rows.append(("pipeline", pipeline.describe(stages, model_cfg.arch.num_layers, micro, repeats,
                                                per_device)))
   if mesh_shape.context > 1:
-    layout = ("load-balanced (device i: chunks i and 2C-1-i)" if model_cfg.context_load_balance
+    layout = ("load-balanced (device i: chunks i and 2C-1-i)" if model_cfg.parallel.context_load_balance
               else "contiguous parts")
     rows.append(("context", f"sequence split over {mesh_shape.context} devices "
                             f"({t.seq_len // mesh_shape.context:,} tokens each, {layout}); "
-                            f"attention {model_cfg.context_parallel}"))
-  if model_cfg.lora_rank:
+                            f"attention {model_cfg.parallel.context_parallel}"))
+  if model_cfg.peft.lora_rank:
     from jaxtrain import peft  # pylint: disable=import-outside-toplevel
     counts = peft.parameter_counts(model_cfg)
-    quant = ("" if model_cfg.base_quant == "none" else
-             f", {metrics_lib.format_count(counts.quantized)} of them stored {model_cfg.base_quant}"
-             f" (groups of {model_cfg.quant_group_size})")
-    rows.append(("trained", f"LoRA rank {model_cfg.lora_rank} (alpha {model_cfg.lora_alpha:g}) "
-                            f"on {','.join(model_cfg.lora_targets)}: {counts.trainable:,} adapter "
+    quant = ("" if model_cfg.peft.base_quant == "none" else
+             f", {metrics_lib.format_count(counts.quantized)} of them stored {model_cfg.peft.base_quant}"
+             f" (groups of {model_cfg.peft.quant_group_size})")
+    rows.append(("trained", f"LoRA rank {model_cfg.peft.lora_rank} (alpha {model_cfg.peft.lora_alpha:g}) "
+                            f"on {','.join(model_cfg.peft.lora_targets)}: {counts.trainable:,} adapter "
                             f"params ({100 * counts.trainable / counts.total:.2f}%)"))
     rows.append(("frozen base", f"{metrics_lib.format_count(counts.frozen_bytes)}B in "
-                                f"{model_cfg.param_dtype}{quant}"))
+                                f"{model_cfg.runtime.param_dtype}{quant}"))
   objective_rows = objective.batch_rows(config, model_cfg, per_device)
   if objective_rows is not None:  # in place of the language-model batch rows
     rows[-2:] = objective_rows
@@ -92,9 +92,9 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
                           f"(6·N_matmul + 6·L·T·H·E{objective.flops_note()})"),
       ("peak FLOP/s", f"{metrics_lib.format_count(peak) if peak else 'n/a'} total; "
                       f"{peak_source}"),
-      ("dtypes", f"params {model_cfg.param_dtype}, compute {model_cfg.dtype}"),
-      ("layers", f"{'scan' if model_cfg.scan_layers else 'unrolled'}, remat "
-                 f"{model_cfg.remat_policy}, attention {model_cfg.attention_impl}"),
+      ("dtypes", f"params {model_cfg.runtime.param_dtype}, compute {model_cfg.runtime.dtype}"),
+      ("layers", f"{'scan' if model_cfg.runtime.scan_layers else 'unrolled'}, remat "
+                 f"{model_cfg.runtime.remat_policy}, attention {model_cfg.runtime.attention_impl}"),
       ("steps", f"{t.steps} (eval every {t.eval_every}, {t.eval_batches} batches)"),
   ]
   rows += data_rows
@@ -300,7 +300,7 @@ def _restore_or_init(setup: Setup, ckpt: Checkpointer | None, train_iter, seed: 
   if ckpt is not None and ckpt.latest_step() is not None:
     state, step = ckpt.restore_latest(abstract_like(shapes, setup.shardings), train_iter)
     step = step or 0
-  lora = setup.model_cfg.lora_rank > 0
+  lora = setup.model_cfg.peft.lora_rank > 0
   chief = jax.process_index() == 0
 
   def base_params(what: str, note: str = ""):

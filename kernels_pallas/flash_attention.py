@@ -1,6 +1,6 @@
 """Flash attention for jaxtrain: one signature, a Pallas kernel per backend, exact gradients.
 
-`flash_attention(q, k, v, causal=, segment_ids=, ...)` computes the same function as
+`flash_attention(q, k, v, causal=, segment_ids=, window=, ...)` computes the same function as
 `jaxtrain.attention.xla_attention` without ever materializing [T, S] logits, and without
 repeating K/V for grouped-query attention (K kv heads serving H = K * G query heads).
 
@@ -15,7 +15,9 @@ Routes:
 
 Semantics: causal masks are bottom-right aligned (query i sees keys j <= i + S - T), so S >= T is
 required when causal; segment_ids [B, T] means packed self-attention (S == T) where a token sees
-only tokens with an equal id (0, padding in the trainer, is an ordinary id). T and S need not be
+only tokens with an equal id (0, padding in the trainer, is an ordinary id); `window` W (causal
+only; Hugging Face's sliding window) keeps the W most recent keys of each query, its own
+included: query i sees key j iff 0 <= i + S - T - j < W. T and S need not be
 multiples of the blocks: inputs are padded here, padded keys are masked by position and the
 output is sliced. On GPU the head dim E must be a power of two in [16, 256] (Triton tensor
 shapes); interpret mode takes any E. Softmax statistics and accumulators are float32 always;
@@ -49,7 +51,7 @@ _FLASH, _SPLASH = "flash", "splash"
 
 
 def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None, interpret=False,
-                    block_q=None, block_k=None, platform=None):
+                    block_q=None, block_k=None, platform=None, window=None):
   """Memory-efficient attention; returns [B, T, H, E] in q's dtype.
 
   Args:
@@ -59,6 +61,9 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None, in
     causal: mask keys after the query, aligned bottom-right; needs S >= T.
     segment_ids: optional int [B, T] document ids for packed self-attention (needs S == T): a
       token attends only to tokens with the same id. No gradient flows to them.
+    window: optional sliding window W, a positive int (needs causal=True): a query sees only
+      the W most recent keys up to its own position (query i sees key j iff
+      0 <= i + S - T - j < W). Blocks wholly outside every window are skipped. None: no window.
     sm_scale: static logit scale, E**-0.5 by default.
     interpret: run the Pallas interpreter (slow; any backend, needed on CPU).
     block_q: query rows per block (power of two >= 16 on GPU, multiple of 128 on TPU).
@@ -68,11 +73,12 @@ def flash_attention(q, k, v, *, causal=True, segment_ids=None, sm_scale=None, in
       process compiling for a deviceless GPU or TPU target passes its target's.
 
   Raises:
-    ValueError: bad shapes, dtypes, block sizes, or CPU without interpret=True.
+    ValueError: bad shapes, dtypes, block sizes or window, or CPU without interpret=True.
   """
+  check_window(window, causal)  # before jit, which would reject a traced window less clearly
   return _attention(q, k, v, segment_ids, causal=causal, sm_scale=sm_scale,
                     interpret=interpret, block_q=block_q, block_k=block_k,
-                    platform=platform or current_platform())
+                    platform=platform or current_platform(), window=window)
 
 
 def current_platform() -> str:
@@ -94,6 +100,18 @@ def _next_pow2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
+def check_window(window, causal) -> None:
+  """Raises ValueError unless `window` is None or a positive int used with causal attention."""
+  if window is None:
+    return
+  if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window <= 0:
+    raise ValueError(f"window must be a positive int (a static sliding-window size) or None, "
+                     f"got {window!r}")
+  if not causal:
+    raise ValueError(f"window={window} needs causal=True: a sliding window keeps the keys "
+                     f"before each query, so it is defined for causal attention only")
+
+
 def _check_block(name: str, value, route: str, platform: str, interpret: bool):
   if value is None:
     return
@@ -107,7 +125,7 @@ def _check_block(name: str, value, route: str, platform: str, interpret: bool):
 
 
 def _validate(q, k, v, segment_ids, *, causal, sm_scale, interpret, block_q, block_k, route,
-              platform):
+              platform, window=None):
   """Raises ValueError naming the first bad argument."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 4:
@@ -135,6 +153,7 @@ def _validate(q, k, v, segment_ids, *, causal, sm_scale, interpret, block_q, blo
   if sm_scale is not None and (not isinstance(sm_scale, numbers.Real)
                                or isinstance(sm_scale, bool) or not math.isfinite(sm_scale)):
     raise ValueError(f"sm_scale must be a finite Python float (static), got {sm_scale!r}")
+  check_window(window, causal)
   if causal and s < t:
     raise ValueError(f"causal attention needs S >= T (bottom-right aligned mask), got T={t}, "
                      f"S={s}: the first {t - s} query rows would see no key")
@@ -168,10 +187,11 @@ def _default_blocks(route: str, platform: str, interpret: bool, e: int, t: int, 
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "interpret", "block_q",
-                                             "block_k", "route", "poison", "platform"))
+                                             "block_k", "route", "poison", "platform",
+                                             "window"))
 def _attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True, sm_scale=None,
                interpret=False, block_q=None, block_k=None, route=None, poison=False,
-               platform=None):
+               platform=None, window=None):
   """`flash_attention` plus two test hooks.
 
   `route` forces "flash" (our kernels) or "splash" (the TPU route) whatever the backend, so both
@@ -187,7 +207,8 @@ def _attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True, sm_s
     raise ValueError(f"route must be {_FLASH!r} or {_SPLASH!r}, got {route!r}")
   _validate(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, causal=causal, sm_scale=sm_scale,
             interpret=interpret, block_q=block_q, block_k=block_k, route=route,
-            platform=platform)
+            platform=platform, window=window)
+  window = None if window is None else int(window)  # numpy ints too: one static, hashable type
   b, t, h, e = q_BTHE.shape
   s = k_BSKE.shape[1]
   sm_scale = float(e ** -0.5 if sm_scale is None else sm_scale)
@@ -197,11 +218,12 @@ def _attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True, sm_s
   if route == _SPLASH:
     return splash_tpu.splash_attention(
         q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, causal=causal, sm_scale=sm_scale,
-        block_q=block_q, block_k=block_k, interpret=interpret)
+        block_q=block_q, block_k=block_k, interpret=interpret, window=window)
 
   cfg = fk.FlashConfig(
       causal=causal, sm_scale=sm_scale, t=t, s=s, block_q=block_q, block_k=block_k,
-      interpret=interpret, num_warps=4 if e <= 64 else 8, num_stages=2, poison=poison)
+      interpret=interpret, num_warps=4 if e <= 64 else 8, num_stages=2, poison=poison,
+      window=window)
   # Pad here, outside the custom_vjp, so autodiff of pad/slice hands the kernels a cotangent
   # that is zero on padded rows: they then add nothing to dk/dv.
   pad_t, pad_s = cfg.t_pad - t, cfg.s_pad - s

@@ -18,10 +18,15 @@ repeats K/V: the forward and dq kernels map query head h to kv head h // G in th
 index_map; the dk/dv kernel runs once per kv head and loops over the G query heads of its group,
 accumulating dk/dv in float32 registers, so no [B, S, H, E] temporary exists.
 
+Sliding window (`FlashConfig.window` = W, causal only): query row i (at key position
+i + S - T) sees key j iff 0 <= i + S - T - j < W.
+
 Causal skipping bounds the in-kernel loops: a q block stops at the kv block holding its last
 row's last visible key (forward, dq), and a kv block starts at the first q block that can see it
-(dk/dv). Skipped blocks are neither loaded nor computed. Logits beyond the diagonal inside the
-visited blocks are masked with a large finite negative, so no -inf - -inf NaN can arise.
+(dk/dv). With a window the other ends are bounded too: a q block starts at the kv block holding
+its first row's first visible key, and a kv block stops after the last q block whose window
+reaches its last key. Skipped blocks are neither loaded nor computed. Logits outside the mask
+inside the visited blocks are set to a large finite negative, so no -inf - -inf NaN can arise.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ class FlashConfig:
 
   Attributes:
     causal: mask keys after the query, bottom-right aligned (offset s - t).
+    window: sliding window W (needs causal): a query sees only its W most recent keys (its own
+      included); None: no window.
     sm_scale: logit scale.
     t: true query length (before padding).
     s: true key length.
@@ -72,6 +79,7 @@ class FlashConfig:
   num_warps: int | None = None
   num_stages: int | None = None
   poison: bool = False
+  window: int | None = None
 
   @property
   def t_pad(self) -> int:
@@ -94,7 +102,11 @@ def _block_mask(cfg: FlashConfig, q_start, k_start, q_seg, k_seg):
     k_pos = k_start + jnp.arange(cfg.block_k, dtype=jnp.int32)[None, :]
   if cfg.causal:
     q_pos = q_start + jnp.arange(cfg.block_q, dtype=jnp.int32)[:, None]
-    masks.append(q_pos + (cfg.s - cfg.t) >= k_pos)
+    # How far the key lies behind the query's own (bottom-right aligned) position.
+    behind_QK = q_pos + (cfg.s - cfg.t) - k_pos
+    masks.append(behind_QK >= 0)
+    if cfg.window is not None:
+      masks.append(behind_QK < cfg.window)
   if cfg.s_pad != cfg.s:
     # Padded keys must never get probability, whatever their segment id or position.
     masks.append(k_pos < cfg.s)
@@ -118,12 +130,32 @@ def _num_kv_blocks(cfg: FlashConfig, q_block):
   return jnp.minimum(n, lax.div(last_key_excl + cfg.block_k - 1, cfg.block_k))
 
 
+def _first_kv_block(cfg: FlashConfig, q_block):
+  """First kv block a q block visits: the one holding its first row's first visible key (0
+  without a window)."""
+  if cfg.window is None:
+    return 0
+  first_key = q_block * cfg.block_q + (cfg.s - cfg.t) - cfg.window + 1
+  return lax.div(jnp.maximum(first_key, 0), cfg.block_k)
+
+
 def _first_q_block(cfg: FlashConfig, kv_block):
   """First q block that sees any key of kv block `kv_block` (0 unless causal)."""
   if not cfg.causal:
     return 0
   first_row = jnp.maximum(kv_block * cfg.block_k - (cfg.s - cfg.t), 0)
   return lax.div(first_row, cfg.block_q)
+
+
+def _num_q_blocks(cfg: FlashConfig, kv_block):
+  """End (exclusive) of the q blocks that see kv block `kv_block`: all of them, or, with a
+  window, up to the block holding the last row whose window still reaches its last key."""
+  n = cfg.t_pad // cfg.block_q
+  if cfg.window is None:
+    return n
+  last_row_excl = (kv_block + 1) * cfg.block_k - (cfg.s - cfg.t) + cfg.window - 1
+  # Clamped at 0: with S > T a kv block can lie before every query's window (empty loop).
+  return jnp.minimum(n, lax.div(jnp.maximum(last_row_excl, 0) + cfg.block_q - 1, cfg.block_q))
 
 
 def _split_refs(refs, n_in, n_out):
@@ -175,8 +207,10 @@ def _fwd_kernel(*refs, cfg: FlashConfig, has_seg: bool):
   init = (jnp.zeros((cfg.block_q, e), jnp.float32),
           jnp.full((cfg.block_q,), _MASK_VALUE, jnp.float32),
           jnp.zeros((cfg.block_q,), jnp.float32))
-  acc_QE, m_Q, l_Q = lax.fori_loop(0, _num_kv_blocks(cfg, q_block), body, init)
-  # l >= 1: the row max contributes exp(0). Every row sees at least its first visited block.
+  acc_QE, m_Q, l_Q = lax.fori_loop(_first_kv_block(cfg, q_block), _num_kv_blocks(cfg, q_block),
+                                   body, init)
+  # l >= 1: the row max contributes exp(0). Every q block holds a real row, which sees its own
+  # key, so the loop is never empty; rows that see no key in it (padding) average finitely.
   o_ref[...] = (acc_QE / l_Q[:, None]).astype(o_ref.dtype)
   lse_ref[...] = m_Q + jnp.log(l_Q)
 
@@ -229,7 +263,7 @@ def _dq_kernel(*refs, cfg: FlashConfig, has_seg: bool):
     return dq_QE + lax.dot_general(ds_QK.astype(k_KE.dtype), k_KE, _NN,
                                    preferred_element_type=jnp.float32)
 
-  dq_QE = lax.fori_loop(0, _num_kv_blocks(cfg, q_block), body,
+  dq_QE = lax.fori_loop(_first_kv_block(cfg, q_block), _num_kv_blocks(cfg, q_block), body,
                         jnp.zeros(q_QE.shape, jnp.float32))
   dq_ref[...] = (dq_QE * cfg.sm_scale).astype(dq_ref.dtype)
 
@@ -269,8 +303,8 @@ def _dkdv_kernel(*refs, cfg: FlashConfig, has_seg: bool, groups: int):
     return lax.fori_loop(0, groups, head_body, carry)
 
   zeros_KE = jnp.zeros(k_KE.shape, jnp.float32)
-  dk_KE, dv_KE = lax.fori_loop(_first_q_block(cfg, kv_block), cfg.t_pad // cfg.block_q, q_body,
-                               (zeros_KE, zeros_KE))
+  dk_KE, dv_KE = lax.fori_loop(_first_q_block(cfg, kv_block), _num_q_blocks(cfg, kv_block),
+                               q_body, (zeros_KE, zeros_KE))
   dk_ref[...] = (dk_KE * cfg.sm_scale).astype(dk_ref.dtype)
   dv_ref[...] = dv_KE.astype(dv_ref.dtype)
 
@@ -304,7 +338,8 @@ def backward(q_BTHE, k_BSKE, v_BSKE, qseg_BT, kseg_BS, out_BTHE, lse_BHT, do_BTH
       name="flash_attention_bwd_dq")
 
   # dk/dv: one program per (kv block, batch, kv head); the whole query group of that kv head
-  # (G heads x all of T) is visible to it, and the loops skip q blocks the causal mask hides.
+  # (G heads x all of T) is visible to it, and the loops skip q blocks the causal mask (and the
+  # window) hides.
   group_spec = pl.BlockSpec((None, t, g, e), lambda j, bi, ki: (bi, 0, ki, 0))
   kv_spec = pl.BlockSpec((None, cfg.block_k, None, e), lambda j, bi, ki: (bi, j, ki, 0))
   rows_spec = pl.BlockSpec((None, g, t), lambda j, bi, ki: (bi, ki, 0))

@@ -14,6 +14,11 @@ Adaptations:
   transposes through HBM that the GPU route does not pay.
 - Causal: a static CausalMask with offset s - t (bottom-right aligned). Splash skips fully masked
   blocks from that static mask: neither loaded nor computed.
+- Sliding window W: a LocalMask with window_size (W - 1, 0) and the same offset, which is causal
+  and local in one mask (query i sees key j iff i + offset - (W - 1) <= j <= i + offset), so
+  splash also skips the blocks behind every window. Padded query rows can then see no key at
+  all; that is harmless: a q block holding a real row visits at least one kv block, where such
+  rows average finite masked logits (splash's mask value is finite), and they are discarded.
 - Padding T and S up to the block sizes. Causal without segments needs nothing more (padded keys
   lie past every real row's diagonal); otherwise segment ids cut padded keys off: real rows keep
   their ids, padded keys get an id no real row has (per batch row: max + 1, or min - 1 when max
@@ -38,9 +43,12 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 
 @functools.lru_cache(maxsize=64)
 def _mqa_kernel(t_pad: int, s_pad: int, groups: int, causal: bool, offset: int, block_q: int,
-                block_k: int, interpret: bool):
+                block_k: int, interpret: bool, window: int | None = None):
   """Builds (once per static configuration) splash's multi-query kernel for one kv head."""
-  if causal:
+  if window is not None:
+    # (left, right) = (W - 1, 0): the W - 1 keys before the diagonal and none after it.
+    head_mask = splash_mask.LocalMask((t_pad, s_pad), window_size=(window - 1, 0), offset=offset)
+  elif causal:
     head_mask = splash_mask.CausalMask((t_pad, s_pad), offset=offset)
   else:
     head_mask = splash_mask.FullMask((t_pad, s_pad))
@@ -74,8 +82,9 @@ def _padded_segment_ids(segment_ids_BT, t: int, s: int, t_pad: int, s_pad: int):
 
 
 def splash_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, *, causal: bool, sm_scale: float,
-                     block_q: int, block_k: int, interpret: bool):
-  """Attention through splash's MQA kernel, vmapped over batch and kv heads; [B, T, H, E]."""
+                     block_q: int, block_k: int, interpret: bool, window: int | None = None):
+  """Attention through splash's MQA kernel, vmapped over batch and kv heads; [B, T, H, E].
+  `window` (causal only): each query sees its `window` most recent keys, its own included."""
   b, t, h, e = q_BTHE.shape
   s, kh = k_BSKE.shape[1], k_BSKE.shape[2]
   g = h // kh
@@ -87,7 +96,7 @@ def splash_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, *, causal: bool, sm
   k_BKSE, v_BKSE = (jnp.pad(x.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, s_pad - s), (0, 0)))
                     for x in (k_BSKE, v_BSKE))
 
-  kernel = _mqa_kernel(t_pad, s_pad, g, causal, s - t, block_q, block_k, interpret)
+  kernel = _mqa_kernel(t_pad, s_pad, g, causal, s - t, block_q, block_k, interpret, window)
   if segment_ids_BT is not None:
     ids, ids_axis = _padded_segment_ids(segment_ids_BT, t, s, t_pad, s_pad), 0
   elif s_pad != s and not causal:

@@ -335,10 +335,32 @@ def run_tiny(workdir, *overrides, devices: int | None = None) -> tuple[CliResult
 
 # --- LoRA and DPO training configs and batches (shared by the LoRA and pipeline tests) --------
 
-def lora_config(quantize_base="none", objective="lm"):
-  """small_config with rank-4 adapters on q, v, o, gate and down (quant groups of 32), a high
-  learning rate without weight decay, and `objective` ("dpo": preference data)."""
-  c = small_config()
+# small_config's model as each non-Llama family (models/registry.py), with every switch and
+# architecture field of the family in play: windows (8 tokens) shorter than the 32-token
+# sequences, Gemma 3's two layer types with their own RoPE, its softmax scale and tied head.
+FAMILY_OVERRIDES = {
+    "qwen3": dict(family="qwen3"),
+    "qwen2": dict(family="qwen2"),
+    "mistral": dict(family="mistral", sliding_window=8),
+    "gemma3": dict(family="gemma3", sliding_window=8, layer_types="sliding,full",
+                   local_rope_theta=1e4, query_pre_attn_scalar=24.0, tie_embeddings=True),
+}
+
+
+def family_config(family: str, **model_overrides):
+  """small_config as `family` (FAMILY_OVERRIDES); Gemma 3's global layers get linear RoPE
+  scaling, as its published models have."""
+  c = small_config(**{**FAMILY_OVERRIDES[family], **model_overrides})
+  if family == "gemma3":
+    c.model.rope_scaling.type, c.model.rope_scaling.factor = "linear", 8.0
+  return c
+
+
+def lora_config(quantize_base="none", objective="lm", family=None):
+  """small_config (as `family` when given) with rank-4 adapters on q, v, o, gate and down (quant
+  groups of 32), a high learning rate without weight decay, and `objective` ("dpo": preference
+  data)."""
+  c = family_config(family) if family else small_config()
   c.lora.rank, c.lora.alpha, c.lora.targets = 4, 8.0, "q,v,o,gate,down"
   c.lora.quantize_base, c.lora.quant_group_size = quantize_base, 32
   c.optim.learning_rate, c.optim.weight_decay = 1e-2, 0.0

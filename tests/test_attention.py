@@ -1,11 +1,14 @@
 """Tests for jaxtrain.attention: XLA attention against a naive reference, padding, dispatch."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxtrain import attention as attention_lib
+from jaxtrain.parallel.mesh import make_mesh
 
 B, T, E = 2, 24, 16
 H = 8  # query heads; K kv heads is H // G for the group sizes below
@@ -173,3 +176,177 @@ def test_attention_mask_shapes_and_diagonal():
   assert mask.shape == (B, 1, T, T) and mask.dtype == jnp.bool_
   assert np.all(np.diagonal(np.asarray(mask)[:, 0], axis1=1, axis2=2))
   assert attention_lib.attention_mask(None, T, T).shape == (1, 1, T, T)
+
+
+# ------------------------------------------------------------------------------ sliding window
+
+
+def loop_window_mask(t, s, window, segment_ids=None):
+  """[B or 1, T, S] by explicit loops: query i (at key position i + s - t) sees key j iff
+  0 <= i + s - t - j < window (and, with segment ids, same segment)."""
+  b = 1 if segment_ids is None else segment_ids.shape[0]
+  mask = np.zeros((b, t, s), bool)
+  for row in range(b):
+    for i in range(t):
+      for j in range(s):
+        same = segment_ids is None or segment_ids[row, i] == segment_ids[row, j]
+        mask[row, i, j] = 0 <= i + s - t - j < window and same
+  return mask
+
+
+def masked_naive(q, k, v, mask_BTS, sm_scale=None):
+  """naive_attention's textbook math under an explicit boolean mask."""
+  h, e = q.shape[2], q.shape[3]
+  k_BSHE, v_BSHE = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+  scores = jnp.einsum("bthe,bshe->bhts", q, k_BSHE, precision=jax.lax.Precision.HIGHEST)
+  scores = jnp.where(mask_BTS[:, None], scores * (sm_scale or e ** -0.5), -jnp.inf)
+  return jnp.einsum("bhts,bshe->bthe", jax.nn.softmax(scores, axis=-1), v_BSHE,
+                    precision=jax.lax.Precision.HIGHEST)
+
+
+@pytest.mark.parametrize("window,group,with_segments", [
+    (1, 1, True), (5, 4, True), (5, 2, False), (T, 1, False), (100, 4, True)])
+def test_xla_attention_window_matches_loop_mask(window, group, with_segments):
+  q, k, v = _qkv(H // group)
+  seg = SEGMENT_IDS if with_segments else None
+  got = jax.jit(lambda q, k, v: attention_lib.xla_attention(
+      q, k, v, None if seg is None else jnp.asarray(seg), window=window))(q, k, v)
+  want = masked_naive(q, k, v, jnp.asarray(loop_window_mask(T, T, window, seg)))
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_xla_attention_window_cross_lengths_and_grads():
+  """T < S: the window counts back from each query's bottom-right aligned position."""
+  q, k, v = _qkv(2, t=8, s=T)
+  mask = jnp.asarray(loop_window_mask(8, T, 5))
+  loss = lambda fn: jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) ** 2),
+                                               argnums=(0, 1, 2)))
+  got = loss(lambda q, k, v: attention_lib.xla_attention(q, k, v, window=5, sm_scale=0.2))(q, k, v)
+  want = loss(lambda q, k, v: masked_naive(q, k, v, mask, sm_scale=0.2))(q, k, v)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-5)
+
+
+def test_attention_mask_window():
+  mask = np.asarray(attention_lib.attention_mask(jnp.asarray(SEGMENT_IDS), T, T, window=4))
+  assert mask.shape == (B, 1, T, T)
+  np.testing.assert_array_equal(mask[:, 0], loop_window_mask(T, T, 4, SEGMENT_IDS))
+  np.testing.assert_array_equal(attention_lib.attention_mask(None, T, T, window=None),
+                                attention_lib.attention_mask(None, T, T))
+
+
+@pytest.mark.parametrize("fn", [attention_lib.attention, attention_lib.xla_attention,
+                                attention_lib.blockwise_attention])
+@pytest.mark.parametrize("kw,match", [(dict(window=0), "positive int"),
+                                      (dict(window=2.0), "positive int"),
+                                      (dict(window=4, causal=False), "needs causal=True")])
+def test_bad_window_raises(fn, kw, match):
+  q, k, v = _qkv(2)
+  with pytest.raises(ValueError, match=match):
+    fn(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("impl,block,window", [("blockwise", 8, 5), ("blockwise", 8, 16),
+                                               ("pallas", 16, 5)])
+def test_fused_impls_with_window_match_xla(impl, block, window):
+  """blockwise (the dry run's stand-in, in blocks of 8) and the dispatcher's pallas impl (our
+  kernels, interpreted) with a window: values and gradients equal xla_attention's."""
+  q, k, v = _qkv(2)
+  seg = jnp.asarray(SEGMENT_IDS)
+  w = jax.random.normal(jax.random.key(3), (B, T, H, E), jnp.float32)
+  opts = dict(interpret=True, block_q=block, block_k=block) if impl == "pallas" else {}
+  if impl == "blockwise":
+    fn = lambda q, k, v: attention_lib.blockwise_attention(q, k, v, seg, window=window,
+                                                            block=block)
+  else:
+    fn = lambda q, k, v: attention_lib.attention(q, k, v, seg, impl=impl, window=window, **opts)
+
+  def grads(fn):
+    return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * w),
+                                      argnums=(0, 1, 2)))(q, k, v)
+
+  got = grads(fn)
+  want = grads(lambda q, k, v: attention_lib.xla_attention(q, k, v, seg, window=window))
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, r, atol=2e-5, rtol=1e-5)
+
+
+def test_dispatcher_blockwise_with_window():
+  q, k, v = _qkv(2)
+  got = attention_lib.attention(q, k, v, impl="blockwise", window=6)
+  want = attention_lib.xla_attention(q, k, v, window=6)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+# Row 0 decodes positions 18..23, row 1 positions 10..15; the cache (S=32) holds every key of
+# the full sequence at its position, and garbage past it (an unwritten tail never leaks in).
+_CACHE_POSITIONS = np.array([np.arange(18, 24), np.arange(10, 16)], np.int32)
+
+
+def _cache_and_rows(xla_windows, sm_scale=None):
+  """(q rows [B, C, H, E], cache k, v, positions) and, per window, xla_attention's same rows."""
+  q, k, v = _qkv(2)
+  tail = jax.random.normal(jax.random.key(9), (B, 32 - T) + k.shape[2:], jnp.float32) * 50
+  cache_k, cache_v = (jnp.concatenate([x, tail], axis=1) for x in (k, v))
+  pos = jnp.asarray(_CACHE_POSITIONS)
+  rows = lambda x_BTHE: jnp.take_along_axis(x_BTHE, pos[:, :, None, None], axis=1)
+  want = [rows(attention_lib.xla_attention(q, k, v, window=w, sm_scale=sm_scale))
+          for w in xla_windows]
+  return (rows(q), cache_k, cache_v, pos), want
+
+
+@pytest.mark.parametrize("window,traced,xla_window", [
+    (4, False, 4), (4, True, 4), (1, True, 1), (0, True, None), (0, False, None),
+    (None, False, None), (100, True, None)])
+def test_cached_attention_window_matches_xla_rows(window, traced, xla_window):
+  """A window as a Python int or a traced int32 scalar (a jit argument); <= 0 or None: none."""
+  args, (want,) = _cache_and_rows([xla_window])
+  if traced:
+    got = jax.jit(lambda q, k, v, pos, w: attention_lib.cached_attention(
+        q, k, v, pos, jnp.float32, window=w))(*args, jnp.int32(window))
+  else:
+    got = jax.jit(lambda q, k, v, pos: attention_lib.cached_attention(
+        q, k, v, pos, jnp.float32, window=window))(*args)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_cached_attention_per_layer_window_in_a_scan():
+  """As the model decodes: a scan over layers hands each its own window (0: a global layer),
+  with a custom logit scale."""
+  args, want = _cache_and_rows([6, None], sm_scale=0.3)
+
+  def layer(_, window):
+    return None, attention_lib.cached_attention(*args, jnp.float32, window=window, sm_scale=0.3)
+
+  _, got = jax.jit(lambda windows: jax.lax.scan(layer, None, windows))(jnp.array([6, 0]))
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_context_parallel_refuses_window():
+  q, k, v = _qkv(2)
+  with jax.set_mesh(make_mesh({"context": 2}, jax.devices()[:2])):
+    with pytest.raises(ValueError) as err:
+      attention_lib.attention(q, k, v, window=4)
+  assert str(err.value) == ("sliding-window attention (model.sliding_window) under context "
+                            "parallelism (mesh.context > 1) is not supported; use mesh.context=1")
+
+
+def test_cudnn_window_lowers_for_cuda():
+  """Lowered for CUDA (no GPU here, like tests/test_targets.py's h100 compiles): the window
+  reaches cuDNN's forward and backward fused attention as sliding_window_length W (jax's
+  local_window_size (W - 1, 0)); 0 means none. cuDNN's own compile and run are untested."""
+  q = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 128, 2, 64), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+
+  def lengths(window):
+    def run(q, k, v, seg, do):
+      out, vjp = jax.vjp(lambda q, k, v: attention_lib.cudnn_attention(q, k, v, seg,
+                                                                        window=window), q, k, v)
+      return out, vjp(do)
+    text = jax.jit(run).trace(q, kv, kv, seg, q).lower(lowering_platforms=("cuda",)).as_text()
+    return re.findall(r"sliding_window_length\\22: (\d+)", text)
+
+  assert lengths(16) == ["16", "16"]
+  assert lengths(None) == ["0", "0"]

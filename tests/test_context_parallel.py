@@ -124,7 +124,7 @@ def test_h100_step_runs_our_kernels_per_chunk_pair():
   assert len(triton) >= 2, note  # forward and backward kernels
   assert collective in hlo and "__cudnn$fmha" not in hlo
   assert "our Pallas kernels per chunk pair" in note
-  assert setup.model_cfg.platform == "gpu"
+  assert setup.model_cfg.runtime.platform == "gpu"
 
 
 def test_tiles_above_the_causal_diagonal_are_skipped():

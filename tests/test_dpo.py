@@ -9,12 +9,12 @@ import pytest
 from flax import nnx
 
 from jaxtrain.dpo import dpo_loss, sequence_logprobs
-from jaxtrain.model import ModelConfig
+from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import create_model, init_params
 from jaxtrain.train_step import Frozen, make_grad_fn
 from tests.helpers import mesh_of
 
-CFG = ModelConfig(vocab_size=61, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+CFG = ModelConfig.of(vocab_size=61, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                   head_dim=8, mlp_dim=64, max_position_embeddings=64, remat_policy="none")
 
 
@@ -25,7 +25,7 @@ def _model(seed):
 
 def _side(rng, b, t, prompt_len):
   """Right-padded rows: a shared-length prompt, a response of random length, then padding."""
-  ids = rng.integers(1, CFG.vocab_size, (b, t)).astype(np.int32)
+  ids = rng.integers(1, CFG.arch.vocab_size, (b, t)).astype(np.int32)
   attention = np.zeros((b, t), np.int32)
   loss = np.zeros((b, t), np.float32)
   for i in range(b):
@@ -140,7 +140,7 @@ def test_sequence_logprobs_under_context_parallelism_equal_one_device(strategy):
   log-probs of a context=4 x fsdp=2 model equal the one-device model's."""
   import dataclasses  # pylint: disable=import-outside-toplevel
   mesh = mesh_of({"context": 4, "fsdp": 2})
-  model = create_model(dataclasses.replace(CFG, context_parallel=strategy), mesh, seed=0)
+  model = create_model(CFG.replace(context_parallel=strategy), mesh, seed=0)
   batch = _batch(seed=3, b=4, t=16)
   args = [batch[f"chosen_{k}"] for k in ("input_ids", "attention_mask", "loss_mask")]
   want = _naive_logprobs(_model(0), *args)

@@ -17,7 +17,8 @@ from jaxtrain.config_checks import validate
 from jaxtrain.dryrun import command, hlo_flops, suggestions
 from jaxtrain.dryrun import measure as aot
 from jaxtrain.dryrun.targets import GIB, verdict
-from jaxtrain.model import ModelConfig, remat_policy
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.remat import remat_policy
 from jaxtrain.optim import learning_rate_schedule, make_optimizer, weight_decay_mask
 from jaxtrain.sharding import abstract_model, init_params
 from jaxtrain.train_step import loss_sum_fn
@@ -274,7 +275,7 @@ def test_blockwise_attention_in_the_model_under_remat():
   results = []
   for impl, policy in (("xla", "minimal"), ("blockwise", "minimal"), ("blockwise", "save_dots")):
     graphdef, _, _ = abstract_model(
-        dataclasses.replace(base, attention_impl=impl, remat_policy=policy), mesh)
+        base.replace(attention_impl=impl, remat_policy=policy), mesh)
     grad = jax.jit(jax.value_and_grad(
         lambda p, graphdef=graphdef: loss_sum_fn(p, graphdef, batch, 16)[0]))
     results.append(jax.tree.map(np.asarray, grad(params)))

@@ -100,10 +100,11 @@ def _check_flash(q, k, v, do, *, fwd_tol, grad_tol, route="flash", **kw):
       lambda q, k, v: fa_module._attention(q, k, v, kw.get("segment_ids"), causal=kw["causal"],
                                            sm_scale=kw.get("sm_scale"), interpret=not _COMPILED,
                                            block_q=kw.get("block_q"), block_k=kw.get("block_k"),
-                                           route=route, poison=route == "flash"),
+                                           route=route, poison=route == "flash",
+                                           window=kw.get("window")),
       q, k, v, do)
   want = _reference(q, k, v, do, causal=kw["causal"], segment_ids=kw.get("segment_ids"),
-                    sm_scale=kw.get("sm_scale"))
+                    sm_scale=kw.get("sm_scale"), window=kw.get("window"))
   assert got[0].dtype == q.dtype and got[0].shape == q.shape
   return [_assert_close(name, g, w, tol) for name, g, w, tol in
           zip(("out", "dq", "dk", "dv"), got, want, (fwd_tol, grad_tol, grad_tol, grad_tol))]
@@ -132,6 +133,62 @@ def test_flash_matches_reference_float32(b, t, s, h, k, e, causal, segments, sm_
                block_q=block_q, block_k=block_k, fwd_tol=1e-5, grad_tol=2e-5)
 
 
+# (B, T, S, H, K, E, window, segments, block_q, block_k): windows below, at and above the block
+# (16); G = 1, 2, 4; T=40 pads (to 48 and 64 rows); S > T with W=5 leaves the first kv block
+# outside every window (its dk/dv loop is empty and must write zeros).
+# Measured on CPU: out <= 8.3e-7, grads <= 2.1e-6.
+_WINDOW_CASES = [
+    (2, 64, 64, 4, 2, 32, 5, True, 16, 16),
+    (1, 64, 64, 4, 4, 32, 16, False, 16, 16),
+    (1, 64, 64, 4, 1, 32, 40, True, 16, 16),
+    (1, 40, 40, 4, 2, 32, 16, True, 16, 32),
+    (1, 24, 56, 4, 2, 32, 5, False, 16, 16),
+]
+
+
+@pytest.mark.parametrize("b,t,s,h,k,e,window,segments,block_q,block_k", _WINDOW_CASES)
+def test_flash_sliding_window_matches_reference(b, t, s, h, k, e, window, segments, block_q,
+                                                block_k):
+  q, kk, v, do = _inputs(b, t, s, h, k, e, seed=6)
+  seg = _packed_segment_ids(b, t, seed=6) if segments else None
+  _check_flash(q, kk, v, do, causal=True, segment_ids=seg, window=window, block_q=block_q,
+               block_k=block_k, fwd_tol=1e-5, grad_tol=2e-5)
+
+
+def _visible_block_ranges(t, s, window, block_q, block_k):
+  """Brute force over the padded grid: for each q block the [first, end) kv blocks holding a
+  key one of its rows sees (causal, window), and for each kv block the q blocks seeing it."""
+  cfg = fk.FlashConfig(causal=True, sm_scale=1.0, t=t, s=s, block_q=block_q, block_k=block_k,
+                       window=window)
+  rows, keys = np.arange(cfg.t_pad)[:, None], np.arange(cfg.s_pad)[None, :]
+  behind = rows + s - t - keys
+  seen = (behind >= 0) & ((behind < window) if window else True)
+  blocks = seen.reshape(cfg.t_pad // block_q, block_q, cfg.s_pad // block_k, block_k).any((1, 3))
+
+  def span(row):
+    hits = np.flatnonzero(row)
+    return (hits[0], hits[-1] + 1) if hits.size else None
+
+  return cfg, [span(r) for r in blocks], [span(c) for c in blocks.T]
+
+
+@pytest.mark.parametrize("t,s,window,block_q,block_k", [
+    (64, 64, 1, 16, 16), (64, 64, 5, 16, 16), (64, 64, 16, 16, 16), (64, 64, 40, 16, 32),
+    (40, 40, 17, 32, 16), (24, 56, 5, 16, 16), (24, 56, 20, 16, 16), (64, 64, None, 16, 16)])
+def test_flash_loops_visit_exactly_the_blocks_with_visible_keys(t, s, window, block_q, block_k):
+  # Parity with the reference proves no needed block is skipped; this proves the windowed loops
+  # skip every other one (forward/dq over kv blocks, dk/dv over q blocks).
+  cfg, kv_spans, q_spans = _visible_block_ranges(t, s, window, block_q, block_k)
+  q_blocks, kv_blocks = jnp.arange(len(kv_spans)), jnp.arange(len(q_spans))
+  kv_first = np.broadcast_to(fk._first_kv_block(cfg, q_blocks), q_blocks.shape)
+  kv_end = np.asarray(fk._num_kv_blocks(cfg, q_blocks))
+  assert list(zip(kv_first.tolist(), kv_end.tolist())) == kv_spans
+  q_first = np.asarray(fk._first_q_block(cfg, kv_blocks))
+  q_end = np.broadcast_to(fk._num_q_blocks(cfg, kv_blocks), kv_blocks.shape)
+  for first, end, want in zip(q_first.tolist(), q_end.tolist(), q_spans):
+    assert (first, end) == want if want else end <= first
+
+
 def test_flash_bfloat16_against_float32_reference():
   # The reference sees the same bf16-rounded inputs in float32: the error left is the kernel's
   # bf16 matmul inputs (p, ds) and bf16 outputs. Measured: out 7.6e-3 (|out| <= 3.6), grads
@@ -153,6 +210,18 @@ def test_tpu_splash_route_interpreted(causal, segments, s):
                grad_tol=2e-5)
 
 
+@pytest.mark.parametrize("segments,t,s,window", [(True, 100, 100, 40), (False, 100, 120, 5),
+                                                 (False, 200, 200, 150)])
+def test_tpu_splash_route_interpreted_with_window(segments, t, s, window):
+  # Splash's LocalMask (W - 1, 0) with the bottom-right offset, one block (S=120: offset 20) or
+  # two (T=S=200, W=150 > 128). With W=5 and S=120 the padded query rows 112..127 see no key at
+  # all: splash must keep them finite (they average masked logits), or dk/dv would turn NaN.
+  q, k, v, do = _inputs(1, t, s, 4, 2, 64, seed=7)
+  seg = _packed_segment_ids(1, t, seed=7) if segments else None
+  _check_flash(q, k, v, do, causal=True, segment_ids=seg, window=window, route="splash",
+               fwd_tol=1e-5, grad_tol=2e-5)
+
+
 def test_reference_matches_trainer_xla_attention():
   # Our reference must mean what the trainer means, padding segment 0 included.
   q, k, v, _ = _inputs(2, 40, 40, 4, 2, 64, seed=4)
@@ -162,6 +231,23 @@ def test_reference_matches_trainer_xla_attention():
         xla_attention(q, k, v, seg, causal=causal),
         reference_attention(q, k, v, causal=causal, segment_ids=seg)), q, k, v, seg)
     _assert_close(f"reference causal={causal}", got, want, 1e-5)
+
+
+def test_reference_window_matches_trainer_xla_attention():
+  q, k, v, _ = _inputs(2, 40, 40, 4, 2, 64, seed=4)
+  seg = _packed_segment_ids(2, 40, seed=4)
+  want, got = _fast_jit(lambda q, k, v, seg: (
+      xla_attention(q, k, v, seg, window=7),
+      reference_attention(q, k, v, segment_ids=seg, window=7)), q, k, v, seg)
+  _assert_close("reference window=7", got, want, 1e-5)
+
+
+def test_public_signature_with_window():
+  q, k, v, _ = _inputs(1, 32, 32, 2, 1, 64, seed=5)
+  out, want = _fast_jit(lambda q, k, v: (
+      flash_attention(q, k, v, window=np.int64(6), interpret=True, block_q=16, block_k=16),
+      reference_attention(q, k, v, window=6)), q, k, v)
+  _assert_close("out", out, want, 1e-5)
 
 
 def test_public_signature_in_interpret_mode():
@@ -228,6 +314,11 @@ def _bad(**overrides):
     (_bad(block_k=2.5), "block_k must be a positive int"),
     (_bad(sm_scale=float("nan")), "sm_scale must be a finite"),
     (_bad(causal=1), "causal must be a bool"),
+    (_bad(window=0), "window must be a positive int"),
+    (_bad(window=2.5), "window must be a positive int"),
+    (_bad(window=True), "window must be a positive int"),
+    (_bad(window=jnp.int32(4)), "window must be a positive int"),
+    (_bad(window=4, causal=False), "window=4 needs causal=True"),
 ])
 def test_bad_arguments_raise(args, match):
   with pytest.raises(ValueError, match=match):
@@ -249,10 +340,11 @@ def test_backend_specific_arguments_raise(platform, route, kw, match):
                         platform=platform)
 
 
-def _lowered_flash(causal, segments, *, t=150, h=4, k=2, e=128, block_q=64, block_k=64):
+def _lowered_flash(causal, segments, *, t=150, h=4, k=2, e=128, block_q=64, block_k=64,
+                   window=None):
   """jit(out + vjp) of the flash route with GPU compiler params, lowered for CUDA (no GPU used)."""
   cfg = fk.FlashConfig(causal=causal, sm_scale=e ** -0.5, t=t, s=t, block_q=block_q,
-                       block_k=block_k, num_warps=8, num_stages=2)
+                       block_k=block_k, num_warps=8, num_stages=2, window=window)
   t_pad = cfg.t_pad
   q = jax.ShapeDtypeStruct((2, t_pad, h, e), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, t_pad, k, e), jnp.bfloat16)
@@ -266,11 +358,13 @@ def _lowered_flash(causal, segments, *, t=150, h=4, k=2, e=128, block_q=64, bloc
   return jax.jit(run).trace(q, kv, kv, seg, q).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("causal,segments", [(True, True), (False, False)])
-def test_gpu_triton_lowering(causal, segments):
+@pytest.mark.parametrize("causal,segments,window", [(True, True, None), (False, False, None),
+                                                    (True, True, 40)])
+def test_gpu_triton_lowering(causal, segments, window):
   # Jax-level Triton lowering of the three kernels, then the MLIR verifier on each Triton module
-  # (tensor sizes, types). PTX compilation and execution need a GPU and are untested here.
-  lowered = _lowered_flash(causal, segments)
+  # (tensor sizes, types). PTX compilation and execution need a GPU and are untested here. The
+  # window bounds both ends of every kernel's loop with program-id dependent values.
+  lowered = _lowered_flash(causal, segments, window=window)
   calls = []
 
   def walk(op):
@@ -296,10 +390,11 @@ def test_gpu_triton_lowering(causal, segments):
       assert ir.Module.parse(bytes(ir_bytes)).operation.verify()
 
 
-def test_tpu_splash_route_lowers_to_mosaic():
+@pytest.mark.parametrize("window", [None, 100])
+def test_tpu_splash_route_lowers_to_mosaic(window):
   # Jax-level Mosaic lowering of splash fwd, dq and dkv under our vmap/padding glue; the Mosaic
   # compiler and TPU execution are untested here. The second dtype reuses the cached splash
-  # kernel from another trace (it once leaked tracers that way).
+  # kernel from another trace (it once leaked tracers that way). window=100: splash's LocalMask.
   for dtype in (jnp.bfloat16, jnp.float32):
     q = jax.ShapeDtypeStruct((2, 200, 4, 64), dtype)
     kv = jax.ShapeDtypeStruct((2, 200, 2, 64), dtype)
@@ -307,7 +402,8 @@ def test_tpu_splash_route_lowers_to_mosaic():
 
     def run(q, k, v, seg, do):
       out, vjp = jax.vjp(lambda q, k, v: splash_tpu.splash_attention(
-          q, k, v, seg, causal=True, sm_scale=0.1, block_q=128, block_k=128, interpret=False),
+          q, k, v, seg, causal=True, sm_scale=0.1, block_q=128, block_k=128, interpret=False,
+          window=window),
                          q, k, v)
       return out, vjp(do)
 

@@ -14,14 +14,14 @@ from jaxtrain.checkpoint import save_params
 from jaxtrain.config import load_config_file
 from jaxtrain.data.tokenizer import load_tokenizer
 from jaxtrain.generate import SamplingConfig, generate, sample_token
-from jaxtrain.model import ModelConfig
+from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import create_model
 from tests.helpers import REPO, mesh_of, run_generate
 
 
 @functools.lru_cache(maxsize=None)
 def _model(scan_layers=True):
-  cfg = ModelConfig(vocab_size=53, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+  cfg = ModelConfig.of(vocab_size=53, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                     head_dim=8, mlp_dim=64, max_position_embeddings=64, remat_policy="none",
                     scan_layers=scan_layers, init_std=0.3)  # large weights: varied argmaxes
   return create_model(cfg, mesh_of((1, 1, 1)), seed=0)

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from jaxtrain import grpo, objectives, rewards, train_setup, trainer
-from jaxtrain.model import Llama, ModelConfig
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.decoder import Decoder
 from jaxtrain.rollouts import completion_lengths, training_rows
 from jaxtrain.sharding import create_model
 from tests.helpers import assert_one_line_config_error, mesh_of, small_config
@@ -126,7 +127,7 @@ def test_cached_decode_equals_the_forward_under_lora_and_qlora():
   """The rollouts decode with adapters on (and a quantized base): the cached logits at every
   step equal the training forward's."""
   for quant in ("none", "nf4"):
-    cfg = ModelConfig(vocab_size=64, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
+    cfg = ModelConfig.of(vocab_size=64, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
                       head_dim=16, mlp_dim=128, max_position_embeddings=64,
                       remat_policy="none", init_std=0.3, lora_rank=4,
                       lora_targets=("q", "k", "v", "o", "gate", "up", "down"), base_quant=quant,
@@ -138,7 +139,7 @@ def test_cached_decode_equals_the_forward_under_lora_and_qlora():
     nnx.update(model, noisy)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 10)), jnp.int32)
     want = model(tokens)
-    step = nnx.jit(Llama.forward_with_cache)
+    step = nnx.jit(Decoder.forward_with_cache)
     cache = model.empty_cache(2, 10)
     got, cache = step(model, tokens[:, :4], jnp.zeros(2, jnp.int32), cache)
     steps = [got]

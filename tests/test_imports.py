@@ -76,8 +76,12 @@ def test_no_module_level_import_cycles_inside_jaxtrain():
   graph = {name: _module_level_imports(name, path, set(modules))
            for name, path in modules.items()}
   # The model reaches parallelism through the layer-stack hook (and the mesh's annotations).
-  assert graph["jaxtrain.model"] >= {"jaxtrain.parallel.mesh", "jaxtrain.parallel.layer_stack"}
-  assert "jaxtrain.parallel.pipeline" not in graph["jaxtrain.model"]
+  models = {name: imports for name, imports in graph.items() if name.startswith("jaxtrain.models")}
+  reached = set().union(*models.values())
+  assert {"jaxtrain.parallel.mesh", "jaxtrain.parallel.layer_stack"} <= reached
+  assert {n for n in reached if n.startswith("jaxtrain.parallel")} <= {
+      "jaxtrain.parallel.mesh", "jaxtrain.parallel.layer_stack",
+      "jaxtrain.parallel.context_parallel"}
   cycles = find_cycles(graph)
   assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
@@ -87,4 +91,14 @@ def test_parallel_never_imports_the_model():
   for name, path in modules.items():
     if name.startswith("jaxtrain.parallel"):
       imported = _module_level_imports(name, path, set(modules))
-      assert "jaxtrain.model" not in imported, name
+      assert not any(n.startswith("jaxtrain.models") for n in imported), name
+
+
+def test_a_family_module_imports_only_the_features():
+  """A family is a record of switches: its module needs nothing but models.features."""
+  modules = _modules("jaxtrain")
+  from jaxtrain.models import registry  # pylint: disable=import-outside-toplevel
+  for family in registry.NAMES:
+    name = f"jaxtrain.models.{family}"
+    assert _module_level_imports(name, modules[name], set(modules)) == {
+        "jaxtrain.models.features"}, name

@@ -11,13 +11,16 @@ import pytest
 
 from jaxtrain import config as config_lib
 from jaxtrain import metrics
+from jaxtrain.models import cost
+from jaxtrain.models.config import architecture_of
 
 
 def _model(**fields):
+  """The Architecture of the default config's model with `fields` changed."""
   c = config_lib.default_config()
   for key, value in fields.items():
     c.model[key] = value
-  return c.model
+  return architecture_of(c.model)
 
 
 LLAMA_8B = dict(num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -62,7 +65,7 @@ def test_flops_per_token_by_hand():
   matmul = 2 * (512 + 2 * 256 + 512 + 1536) + 16 * 100  # layers + lm head; no embed, no norms
   attention = 3 * 2 * (4 * seq_len * 4 * 8) * 0.5  # fwd+bwd x L x (QK^T + AV) x causal half
   assert attention == 6 * 2 * seq_len * 4 * 8
-  assert metrics.matmul_params(_model(**TINY)) == matmul
+  assert cost.matmul_params(_model(**TINY)) == matmul
   assert metrics.flops_per_token(_model(**TINY), seq_len) == 6 * matmul + attention
   assert metrics.flops_per_step(_model(**TINY), seq_len, 8) == (
       (6 * matmul + attention) * seq_len * 8)

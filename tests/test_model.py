@@ -17,11 +17,12 @@ from jaxtrain import config as config_lib
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain import metrics
 from jaxtrain.parallel.mesh import LOGICAL_RULES
-from jaxtrain.model import ModelConfig, apply_rope, rope_inv_freq
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.rope import apply_rope, rope_inv_freq
 from jaxtrain.sharding import abstract_model, create_model, init_params_fn
 
 B, T = 2, 16
-CFG = ModelConfig(vocab_size=128, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
+CFG = ModelConfig.of(vocab_size=128, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
                   head_dim=16, mlp_dim=128)
 LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=8192)
@@ -84,7 +85,7 @@ def _assert_trees_close(got, want, atol, rtol=0.0):
                                err_msg=jax.tree_util.keystr(path))
 
 
-def _tokens(seed=0, b=B, t=T, vocab=CFG.vocab_size):
+def _tokens(seed=0, b=B, t=T, vocab=CFG.arch.vocab_size):
   return np.random.default_rng(seed).integers(0, vocab, (b, t), dtype=np.int32)
 
 
@@ -101,7 +102,7 @@ def base(mesh1):
 
 @pytest.fixture(scope="module")
 def grad_weights():
-  return jax.random.normal(jax.random.key(42), (B, T, CFG.vocab_size), jnp.float32)
+  return jax.random.normal(jax.random.key(42), (B, T, CFG.arch.vocab_size), jnp.float32)
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +124,8 @@ def test_output_shapes(mesh1, base):
   with jax.set_mesh(mesh1):
     logits = _logits(graphdef, params, tokens)
     hidden = _hidden(graphdef, params, tokens)
-  assert logits.shape == (B, T, CFG.vocab_size) and logits.dtype == jnp.float32
-  assert hidden.shape == (B, T, CFG.d_model) and hidden.dtype == jnp.float32
+  assert logits.shape == (B, T, CFG.arch.vocab_size) and logits.dtype == jnp.float32
+  assert hidden.shape == (B, T, CFG.arch.d_model) and hidden.dtype == jnp.float32
   assert np.all(np.isfinite(np.asarray(logits)))
   # Logits are the head applied to the final hidden states.
   model = nnx.merge(graphdef, params)
@@ -148,7 +149,7 @@ def test_causality(mesh1, base, t):
   graphdef, params = base
   tokens = _tokens()
   changed = tokens.copy()
-  changed[:, t] = (changed[:, t] + 1 + np.arange(B)) % CFG.vocab_size
+  changed[:, t] = (changed[:, t] + 1 + np.arange(B)) % CFG.arch.vocab_size
   with jax.set_mesh(mesh1):
     before = np.asarray(_logits(graphdef, params, tokens))
     after = np.asarray(_logits(graphdef, params, changed))
@@ -163,10 +164,10 @@ def test_packed_segments_do_not_interact(mesh1, base):
   graphdef, params = base
   la, lb = 6, 10
   rng = np.random.default_rng(3)
-  doc_a = rng.integers(0, CFG.vocab_size, la, dtype=np.int32)
-  doc_b = rng.integers(0, CFG.vocab_size, lb, dtype=np.int32)
-  pad_a = rng.integers(0, CFG.vocab_size, T - la, dtype=np.int32)  # filler, segment 0
-  pad_b = rng.integers(0, CFG.vocab_size, T - lb, dtype=np.int32)
+  doc_a = rng.integers(0, CFG.arch.vocab_size, la, dtype=np.int32)
+  doc_b = rng.integers(0, CFG.arch.vocab_size, lb, dtype=np.int32)
+  pad_a = rng.integers(0, CFG.arch.vocab_size, T - la, dtype=np.int32)  # filler, segment 0
+  pad_b = rng.integers(0, CFG.arch.vocab_size, T - lb, dtype=np.int32)
   tokens = np.stack([
       np.concatenate([doc_a, doc_b]),  # packed: A | B
       np.concatenate([doc_b, pad_b]),  # B alone, then padding
@@ -208,10 +209,10 @@ def test_packed_segments_do_not_interact(mesh1, base):
 def test_scan_matches_unrolled(mesh1, base, base_logits_and_grads, grad_weights):
   _, scanned_params = base
   scanned_logits, scanned_grads = base_logits_and_grads
-  cfg = dataclasses.replace(CFG, scan_layers=False)
+  cfg = CFG.replace(scan_layers=False)
   graphdef, params, _ = abstract_model(cfg, mesh1)
   assert isinstance(nnx.merge(graphdef, params).layers, nnx.List)
-  unrolled_layout = _stacked_to_list(_pure(scanned_params), CFG.num_layers)
+  unrolled_layout = _stacked_to_list(_pure(scanned_params), CFG.arch.num_layers)
   want_shapes = jax.tree.map(lambda x: x.shape, unrolled_layout)
   assert jax.tree.map(lambda x: x.shape, nnx.to_pure_dict(params)) == want_shapes
   nnx.replace_by_pure_dict(params, jax.tree.map(jnp.asarray, unrolled_layout))
@@ -219,17 +220,17 @@ def test_scan_matches_unrolled(mesh1, base, base_logits_and_grads, grad_weights)
   with jax.set_mesh(mesh1):
     logits, grads = _logits_and_grads(graphdef, params, _tokens(), grad_weights)
   np.testing.assert_allclose(logits, scanned_logits, atol=1e-5, rtol=0)
-  _assert_trees_close(_pure(grads), _stacked_to_list(scanned_grads, CFG.num_layers),
+  _assert_trees_close(_pure(grads), _stacked_to_list(scanned_grads, CFG.arch.num_layers),
                       atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("policy", ["none", "full", "save_dots", "save_qkv_proj"])
 def test_remat_policies_match(mesh1, base, base_logits_and_grads, grad_weights, policy):
   """Every remat policy gives the same params, logits and grads as the base (`minimal`)."""
-  assert CFG.remat_policy == "minimal"
+  assert CFG.runtime.remat_policy == "minimal"
   _, base_params = base
   want_logits, want_grads = base_logits_and_grads
-  cfg = dataclasses.replace(CFG, remat_policy=policy)
+  cfg = CFG.replace(remat_policy=policy)
   # Same params for the same seed: the init program is identical (remat changes only the
   # forward pass), so its values are too; and the layout (shapes, shardings) is the same.
   key = jax.random.key(0)
@@ -252,7 +253,7 @@ def test_explicit_transpose_for_dw_matches(mesh1, base, base_logits_and_grads, g
   residuals as without it."""
   _, base_params = base
   want_logits, want_grads = base_logits_and_grads
-  cfg = dataclasses.replace(CFG, remat_policy=policy, explicit_transpose_for_dw=True)
+  cfg = CFG.replace(remat_policy=policy, explicit_transpose_for_dw=True)
   graphdef, params = _with_values(cfg, mesh1, _pure(base_params))
   tokens = _tokens()
   with jax.set_mesh(mesh1):
@@ -271,15 +272,15 @@ def test_explicit_transpose_for_dw_matches(mesh1, base, base_logits_and_grads, g
     with jax.set_mesh(mesh1), contextlib.redirect_stdout(out):
       jax.ad_checkpoint.print_saved_residuals(loss, p)
     return sorted(line.split()[0] for line in out.getvalue().splitlines() if line.strip())
-  assert residual_shapes(cfg) == residual_shapes(dataclasses.replace(cfg,
+  assert residual_shapes(cfg) == residual_shapes(cfg.replace(
                                                                      explicit_transpose_for_dw=False))
 
 
 def test_from_config_sets_explicit_transpose_for_cpu_only():
   config = config_lib.default_config()
-  assert ModelConfig.from_config(config, platform="cpu").explicit_transpose_for_dw
+  assert ModelConfig.from_config(config, platform="cpu").runtime.explicit_transpose_for_dw
   for platform in ("gpu", "tpu"):
-    assert not ModelConfig.from_config(config, platform=platform).explicit_transpose_for_dw
+    assert not ModelConfig.from_config(config, platform=platform).runtime.explicit_transpose_for_dw
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,7 +289,7 @@ def test_from_config_sets_explicit_transpose_for_cpu_only():
 
 
 def test_tied_embeddings(mesh1, base):
-  cfg = dataclasses.replace(CFG, tie_embeddings=True)
+  cfg = CFG.replace(tie_embeddings=True)
   # The tied layout is the untied one without the head; reuse the base values (see _with_values).
   _, abstract, _ = abstract_model(cfg, mesh1)
   assert "head_DV" not in nnx.to_pure_dict(abstract)
@@ -297,8 +298,8 @@ def test_tied_embeddings(mesh1, base):
   graphdef, params = _with_values(cfg, mesh1, pure)
   model = nnx.merge(graphdef, params)
   assert not hasattr(model, "head_DV")
-  assert sum(x.size for x in jax.tree.leaves(params)) == metrics.count_params(cfg)
-  assert metrics.count_params(cfg) == metrics.count_params(CFG) - CFG.d_model * CFG.vocab_size
+  assert sum(x.size for x in jax.tree.leaves(params)) == metrics.count_params(cfg.arch)
+  assert metrics.count_params(cfg.arch) == metrics.count_params(CFG.arch) - CFG.arch.d_model * CFG.arch.vocab_size
   np.testing.assert_array_equal(np.asarray(model.head_weights()), pure["embed_VD"].T)
   with jax.set_mesh(mesh1):
     logits = _logits(graphdef, params, _tokens())
@@ -309,10 +310,10 @@ def test_tied_embeddings(mesh1, base):
 def test_untied_param_count(base):
   _, params = base
   pure = _pure(params)
-  assert pure["head_DV"].shape == (CFG.d_model, CFG.vocab_size)
-  assert sum(x.size for x in jax.tree.leaves(pure)) == metrics.count_params(CFG)
-  assert pure["layers"]["attn"]["wq_DHE"].shape == (CFG.num_layers, CFG.d_model, CFG.num_heads,
-                                                    CFG.head_dim)
+  assert pure["head_DV"].shape == (CFG.arch.d_model, CFG.arch.vocab_size)
+  assert sum(x.size for x in jax.tree.leaves(pure)) == metrics.count_params(CFG.arch)
+  assert pure["layers"]["attn"]["wq_DHE"].shape == (CFG.arch.num_layers, CFG.arch.d_model, CFG.arch.num_heads,
+                                                    CFG.arch.head_dim)
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,7 +321,7 @@ def test_untied_param_count(base):
 # --------------------------------------------------------------------------------------------
 
 
-MESH_CFG = ModelConfig(vocab_size=128, num_layers=2, d_model=64, num_heads=8, num_kv_heads=4,
+MESH_CFG = ModelConfig.of(vocab_size=128, num_layers=2, d_model=64, num_heads=8, num_kv_heads=4,
                        head_dim=16, mlp_dim=128)
 # Weights named `embed` shard over fsdp and context, stacked layers over stage
 # (mesh.LOGICAL_RULES).

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 
 from jaxtrain.config import default_config
-from jaxtrain.model import ModelConfig
+from jaxtrain.models.config import ModelConfig
 from jaxtrain.optim import learning_rate_schedule, make_optimizer, weight_decay_mask
 from jaxtrain.sharding import abstract_model
 from tests.helpers import mesh_of, small_config

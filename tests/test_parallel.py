@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxtrain import train_setup, trainer
-from jaxtrain.model import ModelConfig
+from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import abstract_model, init_params
 from jaxtrain.train_step import make_grad_fn
 from tests.helpers import (assert_curves_close, mesh_of, packed_batch, small_config,

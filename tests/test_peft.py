@@ -17,20 +17,21 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain import peft
 from jaxtrain.config import LORA_TARGETS, load_config_file
 from jaxtrain.parallel.mesh import LOGICAL_RULES
-from jaxtrain.model import Llama, ModelConfig
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.decoder import Decoder
 from jaxtrain.sharding import abstract_model
 from tests.helpers import mesh_of, small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, T = 2, 16
 # D=64, H*E=64, F=128: group 16 splits every input dim into groups that shard on (2,2,2).
-BASE = ModelConfig(vocab_size=128, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
+BASE = ModelConfig.of(vocab_size=128, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
                    head_dim=16, mlp_dim=128)
 
 
 def _lora(base=BASE, rank=4, targets=LORA_TARGETS, quant="none", group=16, dropout=0.0,
           alpha=8.0):
-  return dataclasses.replace(base, lora_rank=rank, lora_alpha=alpha, lora_dropout=dropout,
+  return base.replace(lora_rank=rank, lora_alpha=alpha, lora_dropout=dropout,
                              lora_targets=tuple(targets), base_quant=quant,
                              quant_group_size=group)
 
@@ -46,7 +47,7 @@ def _one_device():
 def _split(cfg):
   """(graphdef, abstract adapters, abstract rest) of model `cfg`: shapes only, no compile."""
   with _one_device():
-    return nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), peft.Adapter, ...)
+    return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), peft.Adapter, ...)
 
 
 def _graphdef(cfg):
@@ -71,7 +72,7 @@ def _filled(abstract, seed, random_b=False):
 
 
 def _tokens(seed=0):
-  return np.random.default_rng(seed).integers(0, BASE.vocab_size, (B, T), dtype=np.int32)
+  return np.random.default_rng(seed).integers(0, BASE.arch.vocab_size, (B, T), dtype=np.int32)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -87,7 +88,7 @@ def _init_plain(cfg):
 @functools.lru_cache(maxsize=None)
 def _base(scan_layers=True):
   """(graphdef, params) of a plain model."""
-  return _init_plain(dataclasses.replace(BASE, scan_layers=scan_layers))
+  return _init_plain(BASE.replace(scan_layers=scan_layers))
 
 
 _frozen = jax.jit(peft.frozen_from_base, static_argnums=1)
@@ -117,9 +118,9 @@ def test_from_config_maps_lora_group():
   config.lora.targets, config.lora.quantize_base, config.lora.quant_group_size = \
       "v,q,down", "nf4", 32
   cfg = ModelConfig.from_config(config)
-  assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout) == (8, 32.0, 0.1)
-  assert cfg.lora_targets == ("q", "v", "down")  # canonical order
-  assert (cfg.base_quant, cfg.quant_group_size) == ("nf4", 32)
+  assert (cfg.peft.lora_rank, cfg.peft.lora_alpha, cfg.peft.lora_dropout) == (8, 32.0, 0.1)
+  assert cfg.peft.lora_targets == ("q", "v", "down")  # canonical order
+  assert (cfg.peft.base_quant, cfg.peft.quant_group_size) == ("nf4", 32)
   config.lora.rank = 0
   config.lora.quantize_base = "none"
   assert ModelConfig.from_config(config) == peft.plain_config(cfg)
@@ -131,7 +132,7 @@ def test_adapter_is_not_a_param():
   assert not issubclass(peft.Adapter, nnx.Param)
   assert not issubclass(peft.Quantized, (nnx.Param, peft.Adapter))
   with _one_device():
-    model = nnx.eval_shape(lambda: Llama(_lora(quant="nf4"), rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(_lora(quant="nf4"), rngs=nnx.Rngs(0)))
   params = nnx.state(model, nnx.Param)
   adapters = nnx.state(model, peft.trainable_filter(model.cfg))
   quantized = nnx.state(model, peft.Quantized)
@@ -145,7 +146,7 @@ def test_adapter_is_not_a_param():
 
 
 def test_adapters_float32_over_a_bfloat16_base():
-  cfg = dataclasses.replace(_lora(quant="none"), param_dtype="bfloat16", dtype="bfloat16")
+  cfg = _lora(quant="none").replace(param_dtype="bfloat16", dtype="bfloat16")
   _, adapters, frozen = _split(cfg)
   assert {x.dtype for x in jax.tree.leaves(adapters)} == {jnp.dtype(jnp.float32)}
   assert {x.dtype for x in jax.tree.leaves(frozen)} == {jnp.dtype(jnp.bfloat16)}
@@ -166,7 +167,7 @@ def test_adapters_float32_over_a_bfloat16_base():
 ])
 def test_bad_model_configs_are_named(change, match):
   with pytest.raises(ValueError, match=match):
-    Llama(dataclasses.replace(BASE, **change), rngs=nnx.Rngs(0))
+    Decoder(BASE.replace(**change), rngs=nnx.Rngs(0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,7 +193,7 @@ def test_adapter_init_and_axes():
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_lora_at_init_equals_base_exactly(scan_layers):
   graphdef, params = _base(scan_layers)
-  cfg = _lora(dataclasses.replace(BASE, scan_layers=scan_layers))
+  cfg = _lora(BASE.replace(scan_layers=scan_layers))
   want = _logits(graphdef, (params,), _tokens())
   graphdef, adapters, frozen = _lora_model(cfg, params)
   got = _logits(graphdef, (adapters, frozen), _tokens())
@@ -202,13 +203,13 @@ def test_lora_at_init_equals_base_exactly(scan_layers):
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_lora_equals_merged_plain_model(scan_layers):
   base_graphdef, params = _base(scan_layers)
-  cfg = _lora(dataclasses.replace(BASE, scan_layers=scan_layers))
+  cfg = _lora(BASE.replace(scan_layers=scan_layers))
   graphdef, adapters, frozen = _lora_model(cfg, params, random_b=True)
   got = _logits(graphdef, (adapters, frozen), _tokens())
   merged = jax.jit(lambda a, f: peft.merged_params(nnx.merge(graphdef, a, f)))(adapters, frozen)
   # The merged tree is the plain model's: same paths, shapes, dtypes, logical axes.
   with _one_device():
-    abstract = nnx.state(nnx.eval_shape(lambda: Llama(peft.plain_config(cfg),
+    abstract = nnx.state(nnx.eval_shape(lambda: Decoder(peft.plain_config(cfg),
                                                       rngs=nnx.Rngs(0))))
   assert jax.tree.structure(merged) == jax.tree.structure(abstract)
   for m, a in zip(jax.tree.leaves(merged, is_leaf=lambda x: isinstance(x, nnx.Variable)),
@@ -241,8 +242,8 @@ def test_grads_only_on_adapters_of_the_targets():
                              for n in ("a_IR", "b_RO")) + sorted(
       f"['layers']['mlp']['lora_down']['{n}']" for n in ("a_IR", "b_RO"))
   assert all(np.abs(v).max() > 0 for v in g.values())
-  L, D, H, E, F, r = BASE.num_layers, BASE.d_model, BASE.num_heads, BASE.head_dim, \
-      BASE.mlp_dim, 4
+  L, D, H, E, F, r = BASE.arch.num_layers, BASE.arch.d_model, BASE.arch.num_heads, BASE.arch.head_dim, \
+      BASE.arch.mlp_dim, 4
   formula = L * r * ((D + H * E) + (H * E + D) + (F + D))
   assert sum(v.size for v in g.values()) == formula
   counts = peft.parameter_counts(cfg)
@@ -268,7 +269,7 @@ def _saved_token_residuals(cfg, states, capsys):
 def test_minimal_remat_saves_no_adapter_update(capsys):
   """`minimal` saves the projections' outputs; under LoRA only the [.., R] adapter inputs are
   added, not the [.., O] updates (as large as the projections)."""
-  plain = dataclasses.replace(BASE, num_layers=1, scan_layers=False, remat_policy="minimal")
+  plain = BASE.replace(num_layers=1, scan_layers=False, remat_policy="minimal")
   cfg = _lora(plain, rank=4)
   graphdef, params = _init_plain(plain)
   _, adapters, frozen = _lora_model(cfg, params, random_b=True)
@@ -346,9 +347,9 @@ def test_dropout_same_under_unrolled_layers_and_remat():
   key = jax.random.key(3)
   want = _logits(graphdef, (adapters, frozen), _tokens(), key)
   # Unrolled: layer i gets the same key as scan's step i.
-  ucfg = dataclasses.replace(cfg, scan_layers=False, remat_policy="full")
+  ucfg = cfg.replace(scan_layers=False, remat_policy="full")
   with _one_device():
-    ugraphdef, *abstract = nnx.split(nnx.eval_shape(lambda: Llama(ucfg, rngs=nnx.Rngs(0))),
+    ugraphdef, *abstract = nnx.split(nnx.eval_shape(lambda: Decoder(ucfg, rngs=nnx.Rngs(0))),
                                      peft.Adapter, ...)
   unrolled = []
   for state, target in zip((adapters, frozen), abstract):
@@ -359,7 +360,7 @@ def test_dropout_same_under_unrolled_layers_and_remat():
   got = _logits(ugraphdef, tuple(unrolled), _tokens(), key)
   np.testing.assert_allclose(got, want, atol=1e-5)
   # Remat (scanned) with the keys passed through: the same numbers.
-  rgraphdef = _graphdef(dataclasses.replace(cfg, remat_policy="minimal"))
+  rgraphdef = _graphdef(cfg.replace(remat_policy="minimal"))
   np.testing.assert_allclose(_logits(rgraphdef, (adapters, frozen), _tokens(), key), want,
                              atol=1e-6)
 
@@ -395,7 +396,7 @@ def test_sharded_forward_matches_one_device(scheme):
   want = _logits(graphdef, (adapters, frozen), tokens)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_RULES):
     _, abstract_adapters, abstract_frozen = nnx.split(
-        nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), peft.Adapter, ...)
+        nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), peft.Adapter, ...)
     adapter_shardings = nnx.get_named_sharding(abstract_adapters, mesh)
     frozen_shardings = nnx.get_named_sharding(abstract_frozen, mesh)
   host = lambda state: jax.tree.map(np.asarray, state)  # noqa: E731  (off device 0)

@@ -283,9 +283,10 @@ def test_remat_by_name_saves_the_projections_under_the_stage_vmap(capsys, by_nam
   and `minimal`'s shape test ("no batch dims") matches none; by checkpoint name it still saves the
   q/k/v/o/gate/up outputs (down's is the layer's output, kept as the next layer's input)."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  from jaxtrain.model import ModelConfig, remat_policy  # pylint: disable=import-outside-toplevel
+  from jaxtrain.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  from jaxtrain.models.remat import remat_policy  # pylint: disable=import-outside-toplevel
   from jaxtrain.sharding import create_model  # pylint: disable=import-outside-toplevel
-  cfg = ModelConfig(vocab_size=53, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+  cfg = ModelConfig.of(vocab_size=53, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                     head_dim=8, mlp_dim=64, max_position_embeddings=64)
   graphdef, layers = nnx.split(create_model(cfg, mesh_of((1, 1, 1))).layers)
   x_SBTD = jnp.ones((2, 2, 16, 32))

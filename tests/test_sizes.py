@@ -8,7 +8,7 @@ import pytest
 
 from jaxtrain import metrics
 from jaxtrain.config import load_config_file
-from jaxtrain.model import ModelConfig
+from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import abstract_model
 from tests.helpers import mesh_of
 
@@ -29,7 +29,7 @@ def test_parameter_count(name):
   cfg, (_, abstract_params, _) = _abstract(name, (1, 8, 1))
   count = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(abstract_params))
   assert abs(count - EXPECTED[name]) / EXPECTED[name] < 1e-3, count
-  assert count == metrics.count_params(cfg)
+  assert count == metrics.count_params(cfg.arch)
 
 
 def test_8b_fsdp_leaves_no_large_param_replicated():

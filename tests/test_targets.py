@@ -183,8 +183,8 @@ def test_cli_dry_run_compiles_the_attention_kernel_for_the_target(name, impl, ke
   assert len(kernels) >= 2, sorted(set(called))
   other = {"__gpu$xla.gpu.triton", "tpu_custom_call", "__cudnn$fmha"} - {kernel}
   assert not [c for c in called if c.startswith(tuple(other))], sorted(set(called))
-  assert setup.model_cfg.attention_impl == impl
-  assert setup.model_cfg.platform == target.compiler
+  assert setup.model_cfg.runtime.attention_impl == impl
+  assert setup.model_cfg.runtime.platform == target.compiler
   assert f"compiled for {target.compiler.upper()}" in note
 
   assert compiled.memory_analysis().temp_size_in_bytes > 0

@@ -214,22 +214,22 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
       ("config", config_name or "(from flags)"),
       ("target", target.name if target is not None else "none (--dry_run_devices)"),
       ("compiled for", where),
-      ("parameters", f"{metrics.format_count(metrics.count_params(cfg))} "
-                     f"({metrics.count_params(cfg):,}); L={cfg.num_layers} D={cfg.d_model} "
-                     f"H={cfg.num_heads} K={cfg.num_kv_heads} E={cfg.head_dim} "
-                     f"F={cfg.mlp_dim} V={cfg.vocab_size}"),
+      ("parameters", f"{metrics.format_count(metrics.count_params(cfg.arch))} "
+                     f"({metrics.count_params(cfg.arch):,}); L={cfg.arch.num_layers} D={cfg.arch.d_model} "
+                     f"H={cfg.arch.num_heads} K={cfg.arch.num_kv_heads} E={cfg.arch.head_dim} "
+                     f"F={cfg.arch.mlp_dim} V={cfg.arch.vocab_size}"),
       ("mesh", m.mesh.describe()),
       ("batch", f"global {t.global_batch_size} seq × {t.seq_len}; per device "
                 f"{t.global_batch_size // shards} seq, "
                 + (f"{micro} pipeline microbatches of {t.global_batch_size // shards // micro}"
                    if stages > 1 else f"microbatch {microbatch}")
                 + f" (grad accum {t.grad_accum_steps})"),
-      *([("pipeline", pipeline.describe(stages, cfg.num_layers, micro, config.pipeline.repeats,
+      *([("pipeline", pipeline.describe(stages, cfg.arch.num_layers, micro, config.pipeline.repeats,
                                         t.global_batch_size / shards))] if stages > 1 else []),
-      ("dtypes", f"params {cfg.param_dtype}, compute {cfg.dtype}, Adam moments "
+      ("dtypes", f"params {cfg.runtime.param_dtype}, compute {cfg.runtime.dtype}, Adam moments "
                  f"{o.state_dtype} in {'pinned host' if o.offload_state else 'device'} "
                  f"memory"),
-      ("remat", cfg.remat_policy + (f" ({m.remat_note})" if m.remat_note else "")),
+      ("remat", cfg.runtime.remat_policy + (f" ({m.remat_note})" if m.remat_note else "")),
       ("attention", m.attention_note),
       ("compile", f"{m.compile_s:.1f} s"),
   ]
@@ -243,8 +243,8 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
   exact_args = m.params + m.opt_device + m.opt_host + m.batch
   host = m.opt_host + m.act_host
   lines += [
-      "", "per-device memory" + (f" (each device holds one stage: {cfg.num_layers // stages} "
-                                 f"of the {cfg.num_layers} layers)" if stages > 1 else "") + ":",
+      "", "per-device memory" + (f" (each device holds one stage: {cfg.arch.num_layers // stages} "
+                                 f"of the {cfg.arch.num_layers} layers)" if stages > 1 else "") + ":",
       f"  parameters       {format_bytes(m.params):>11}  exact, from the shardings"
       + (f" (trained {format_bytes(m.params - m.frozen)}, frozen {format_bytes(m.frozen)})"
          if m.frozen else ""),
@@ -289,9 +289,9 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
          m.backend != "cpu" else
          "; context-parallel attention tiles counted as if none were skipped"
          if config.mesh.context > 1 else
-         "; blockwise attention computes masked blocks too" if cfg.attention_impl ==
+         "; blockwise attention computes masked blocks too" if cfg.runtime.attention_impl ==
          "blockwise" else "; attention kernels' matmuls are not HLO dots"
-         if cfg.attention_impl in ("pallas", "cudnn", "auto") and m.backend != "cpu"
+         if cfg.runtime.attention_impl in ("pallas", "cudnn", "auto") and m.backend != "cpu"
          else "; attention computed for all T×S pairs (masked too)"),
   ]
   if m.loops_without_trip_count:

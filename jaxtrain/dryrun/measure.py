@@ -35,7 +35,7 @@ from jaxtrain.config_checks import validate
 from jaxtrain.dryrun import breakdown as breakdown_lib
 from jaxtrain.dryrun import hlo_flops
 from jaxtrain.parallel.mesh import MeshShape, make_mesh, platform_of_backend
-from jaxtrain.model import ModelConfig
+from jaxtrain.models.config import ModelConfig
 
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 # A dry run never executes its CPU program, so LLVM need not optimize it: these leave the HLO,
@@ -116,20 +116,20 @@ def modelled_model_config(config, backend: str, platform: str) -> tuple[ModelCon
     if backend == "cpu" and platform != "cpu":
       note = (f"{how}: " + ("our Pallas kernels per chunk pair on GPU, " if kernels else "")
               + "modelled by the exact jnp tiles")
-      return dataclasses.replace(cfg, attention_impl="xla", platform="cpu"), note
+      return cfg.replace(attention_impl="xla", platform="cpu"), note
     what = "our Pallas kernels per chunk pair" if kernels else "exact jnp tiles"
-    return dataclasses.replace(cfg, platform=backend), f"{how}: {what}, compiled for " \
+    return cfg.replace(platform=backend), f"{how}: {what}, compiled for " \
         f"{backend.upper()}"
   if backend == "cpu" and platform != "cpu" and resolved != "xla":
     note = (f"attention.impl={shown}: a fused kernel on {platform.upper()}; modelled by "
             f"blockwise (flash-style) jnp attention, which has its memory profile")
-    return dataclasses.replace(cfg, attention_impl="blockwise", platform="cpu"), note
+    return cfg.replace(attention_impl="blockwise", platform="cpu"), note
   if resolved == "xla":
     note = f"attention.impl={shown}: whole [B, H, T, S] score tensors"
   else:
     kernel = {"cudnn": "cuDNN fused attention", "pallas": "our Pallas kernels"}[resolved]
     note = f"attention.impl={shown}: {kernel}, compiled for {backend.upper()}"
-  return dataclasses.replace(cfg, platform=backend), note
+  return cfg.replace(platform=backend), note
 
 
 def measure(config, devices, platform: str | None = None, *,

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxtrain import metrics
 from jaxtrain.config import ConfigError
+from jaxtrain.models.config import architecture_of
 
 # (constants(params, frozen, batch), loss_sums(params, frozen, batch, constants, dropout_key)
 #  -> (loss sum, count, {metric: sum})): see Objective.loss_sums.
@@ -84,9 +85,9 @@ class Objective(abc.ABC):
   def flops_per_step(self, config, model_config=None) -> float:
     """Analytic FLOPs of one step: 6 per parameter-matmul weight and token plus attention
     (metrics.flops_per_token), over `tokens_per_step`; one definition for the meter, the run
-    table and the dry run."""
-    model_config = config.model if model_config is None else model_config
-    per_token = metrics.flops_per_token(model_config, self.row_length(config.train.seq_len))
+    table and the dry run. `model_config` (a ModelConfig) defaults to the config's model."""
+    arch = architecture_of(config.model) if model_config is None else model_config.arch
+    per_token = metrics.flops_per_token(arch, self.row_length(config.train.seq_len))
     return per_token * self.tokens_per_step(config)
 
   def flops_per_token(self, config, model_config=None) -> float:

@@ -68,7 +68,7 @@ class DPO(Objective):
 
   def batch_rows(self, config, model_cfg, per_device):
     t = config.train
-    reference = "the base with adapters off" if model_cfg.lora_rank else "frozen initial params"
+    reference = "the base with adapters off" if model_cfg.peft.lora_rank else "frozen initial params"
     return [
         ("global batch", f"{t.global_batch_size} preference pairs × 2 responses × "
                          f"{t.seq_len + 1} tokens"),

@@ -176,7 +176,7 @@ class GRPO(Objective):
   def batch_rows(self, config, model_cfg, per_device):
     t, g = config.train, self.settings
     reference = ("none (grpo.beta=0)" if not self.uses_reference else
-                 "the base with adapters off" if model_cfg.lora_rank else "frozen initial params")
+                 "the base with adapters off" if model_cfg.peft.lora_rank else "frozen initial params")
     rows = self.rows_per_step(config)
     per_device_rows = per_device * self.num_generations
     return [

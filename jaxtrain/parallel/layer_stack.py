@@ -10,8 +10,9 @@ what one layer needs besides its input; `run_layers` owns the rest:
   checkpoint names (a stage's vmap gives every matmul a batch dim), each pipeline iteration
   under remat too.
 
-Every layer is called as `layer(x_BTD, positions_BT, segment_ids_BT, dropout_key)`, so a new
-model family gets scanning, remat and pipelining without code of its own. The context layout
+Every layer is called as `layer(x_BTD, positions_BT, segment_ids_BT, **inputs)`, where `inputs`
+holds this layer's row of each per-layer array the model hands over (a dropout key, the layer's
+type), so a new model family gets scanning, remat and pipelining without code of its own. The context layout
 (context_parallel) applies to the sequence before the layers and needs nothing here.
 """
 
@@ -41,30 +42,31 @@ class StackOptions:
 
 
 def run_layers(layers, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT,
-               layer_keys, options: StackOptions) -> jax.Array:
-  """x_BTD through every layer; `layer_keys` ([L] dropout keys, or None) go one per layer."""
+               layer_inputs: dict[str, Any], options: StackOptions) -> jax.Array:
+  """x_BTD through every layer; each array [L, ...] of `layer_inputs` goes one row per layer,
+  as the keyword argument of its name."""
   stages = pipeline_lib.stage_count()
   if stages > 1:
-    return _pipelined(layers, x_BTD, positions_BT, segment_ids_BT, layer_keys, options, stages)
+    return _pipelined(layers, x_BTD, positions_BT, segment_ids_BT, layer_inputs, options, stages)
 
-  def layer_fn(layer, x_BTD, key):
-    return layer(x_BTD, positions_BT, segment_ids_BT, key)
+  def layer_fn(layer, x_BTD, inputs):
+    return layer(x_BTD, positions_BT, segment_ids_BT, **inputs)
 
   if options.remat:
     layer_fn = nnx.remat(layer_fn, policy=options.policy, prevent_cse=not options.scan_layers)
   if options.scan_layers:
-    # The layer keys are scanned over with the layers (None: nothing to scan).
-    @nnx.scan(in_axes=(nnx.Carry, 0, None if layer_keys is None else 0), out_axes=nnx.Carry,
+    # The per-layer inputs are scanned over with the layers (none: nothing to scan).
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0 if layer_inputs else None), out_axes=nnx.Carry,
               transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def run_stack(x_BTD, layer, key):
-      return layer_fn(layer, x_BTD, key)
-    return run_stack(x_BTD, layers, layer_keys)
+    def run_stack(x_BTD, layer, inputs):
+      return layer_fn(layer, x_BTD, inputs)
+    return run_stack(x_BTD, layers, layer_inputs)
   for i, layer in enumerate(layers):
-    x_BTD = layer_fn(layer, x_BTD, None if layer_keys is None else layer_keys[i])
+    x_BTD = layer_fn(layer, x_BTD, {name: a[i] for name, a in layer_inputs.items()})
   return x_BTD
 
 
-def _pipelined(layers, x_BTD, positions_BT, segment_ids_BT, layer_keys,
+def _pipelined(layers, x_BTD, positions_BT, segment_ids_BT, layer_inputs,
                options: StackOptions, stages: int):
   """The layers as pipeline stages over the mesh's `stage` axis: the batch is cut into
   microbatches (strided, so each spans every data-parallel device), which flow through the
@@ -81,15 +83,15 @@ def _pipelined(layers, x_BTD, positions_BT, segment_ids_BT, layer_keys,
 
   def layer(x_BTD, layer_state, carried):
     block = nnx.merge(graphdef, layer_state)
-    return block(x_BTD, carried["positions"], carried["segment_ids"], carried.get("key"))
+    return block(x_BTD, carried["positions"], carried["segment_ids"], **carried["inputs"])
   if options.remat:
     layer = jax.checkpoint(layer, policy=options.stage_policy, prevent_cse=False)
 
   def stage_fn(stage_layers, x_BTD, carried):
     def body(x_BTD, xs):
-      layer_state, key = xs
-      return layer(x_BTD, layer_state, {**carried, "key": key}), None
-    return jax.lax.scan(body, x_BTD, (stage_layers["state"], stage_layers.get("__keys__")))[0]
+      layer_state, inputs = xs
+      return layer(x_BTD, layer_state, {**carried, "inputs": inputs}), None
+    return jax.lax.scan(body, x_BTD, (stage_layers["state"], stage_layers["inputs"]))[0]
 
   def to_microbatches(x):  # [B, ...] -> [M, B/M, ...], microbatch i = rows i, i+M, ...
     return x.reshape(b // m, m, *x.shape[1:]).swapaxes(0, 1)
@@ -101,9 +103,7 @@ def _pipelined(layers, x_BTD, positions_BT, segment_ids_BT, layer_keys,
         lambda v: v.replace(jax.lax.with_sharding_constraint(
             v[...], gathered_spec(v.get_metadata()["out_sharding"]))),
         state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  stacked = {"state": state}
-  if layer_keys is not None:
-    stacked["__keys__"] = layer_keys
+  stacked = {"state": state, "inputs": dict(layer_inputs)}
   stage_layers = pipeline_lib.to_stages(stacked, stages, options.pipeline_repeats)
   carried = {"positions": to_microbatches(positions_BT),
              "segment_ids": (None if segment_ids_BT is None

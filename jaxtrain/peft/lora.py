@@ -90,17 +90,19 @@ def _dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
   return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
-def adapter(cfg, rngs: nnx.Rngs, target: str, weight_name: str, shape, names,
+def adapter(peft, rngs: nnx.Rngs, target: str, weight_name: str, shape, names,
             num_in: int = 1) -> LoRA | None:
-  """The adapter for projection `target` when cfg.lora_rank > 0 and it is a target, else None."""
-  if cfg.lora_rank == 0 or target not in cfg.lora_targets:
+  """The adapter for projection `target` when peft.lora_rank > 0 and it is a target, else None
+  (`peft`: the model config's Adapters part)."""
+  if peft.lora_rank == 0 or target not in peft.lora_targets:
     return None
-  return LoRA(target, weight_name, shape, names, num_in, cfg.lora_rank, cfg.lora_alpha,
-              cfg.lora_dropout, jnp.float32, rngs)
+  return LoRA(target, weight_name, shape, names, num_in, peft.lora_rank, peft.lora_alpha,
+              peft.lora_dropout, jnp.float32, rngs)
 
 
-def check_config(cfg):
-  """Raises ValueError for LoRA/QLoRA fields of a ModelConfig that cannot build a model.
+def check_config(cfg, arch):
+  """Raises ValueError for LoRA/QLoRA fields (`cfg`: a ModelConfig's Adapters part) that cannot
+  build the model `arch`.
 
   config_checks.validate() checks the run config's `lora` group the same way; this catches a
   ModelConfig made by hand and the group size against the model's dims.
@@ -123,8 +125,8 @@ def check_config(cfg):
   if cfg.base_quant == "none":
     return
   group = cfg.quant_group_size
-  sizes = {"model.d_model": cfg.d_model, "model.mlp_dim": cfg.mlp_dim,
-           "model.num_heads*model.head_dim": cfg.num_heads * cfg.head_dim}
+  sizes = {"model.d_model": arch.d_model, "model.mlp_dim": arch.mlp_dim,
+           "model.num_heads*model.head_dim": arch.num_heads * arch.head_dim}
   bad = {k: v for k, v in sizes.items() if group <= 0 or v % group}
   if group <= 0 or group % 2 or bad:
     fits = [g for g in (128, 64, 32, 16, 8) if all(v % g == 0 for v in sizes.values())]

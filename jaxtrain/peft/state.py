@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-# model.py imports jaxtrain.peft (for project/adapters), so only the module object is bound here;
-# its attributes are looked up at call time, after both modules have loaded.
-from jaxtrain import model as model_lib
+# The decoder imports jaxtrain.peft (for project/adapters), so only the module object is bound
+# here; its attributes are looked up at call time, after both modules have loaded.
+from jaxtrain.models import decoder as decoder_lib
 from jaxtrain.parallel.mesh import LOGICAL_RULES, MESH_AXES
 from jaxtrain.peft.lora import Adapter, LoRA
 from jaxtrain.peft.quantize import QuantizedWeight
@@ -34,15 +34,12 @@ _ONE_DEVICE = AbstractMesh((1,) * len(MESH_AXES), MESH_AXES,
 
 def plain_config(cfg):
   """`cfg` without adapters or quantization: the model whose params a base checkpoint holds."""
-  defaults = {f.name: f.default for f in dataclasses.fields(cfg)
-              if f.name in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
-                            "base_quant", "quant_group_size")}
-  return dataclasses.replace(cfg, **defaults)
+  return dataclasses.replace(cfg, peft=type(cfg.peft)())
 
 
 def trainable_filter(cfg):
   """nnx filter of the variables that train: the adapters under LoRA, else every Param."""
-  return Adapter if cfg.lora_rank > 0 else nnx.Param
+  return Adapter if cfg.peft.lora_rank > 0 else nnx.Param
 
 
 def _abstract(cfg):
@@ -53,7 +50,7 @@ def _abstract(cfg):
     stack.enter_context(nnx.logical_axis_rules(LOGICAL_RULES))
     if jax.sharding.get_abstract_mesh().empty:
       stack.enter_context(jax.sharding.use_abstract_mesh(_ONE_DEVICE))
-    return nnx.eval_shape(lambda: model_lib.Llama(cfg, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: decoder_lib.Decoder(cfg, rngs=nnx.Rngs(0)))
 
 
 def _key(path) -> tuple[str, ...]:
@@ -70,9 +67,9 @@ def frozen_from_base(base_params, cfg):
 
   `base_params`: nnx.State (or nested dict) of the plain model's params, laid out as
   `plain_config(cfg)` lays them (scanned or unrolled layers), any float dtype. Projections are
-  quantized when cfg.base_quant != "none" (stacked weights one layer at a time); everything is
-  cast to cfg.param_dtype. Pure: jit it with out_shardings of the abstract LoRA model's frozen
-  part. Empty when cfg.lora_rank == 0 (then every param trains).
+  quantized when cfg.peft.base_quant != "none" (stacked weights one layer at a time); everything is
+  cast to the param dtype. Pure: jit it with out_shardings of the abstract LoRA model's frozen
+  part. Empty when lora_rank == 0 (then every param trains).
   """
   model = _abstract(cfg)
   base = {_key(path): _value(leaf)
@@ -84,13 +81,13 @@ def frozen_from_base(base_params, cfg):
   extra = sorted("/".join(p) for p in base.keys() - expected.keys())
   if missing or extra:
     raise ValueError(f"frozen_from_base: the base params are not those of the plain model "
-                     f"(scan_layers={cfg.scan_layers}); missing {missing[:4]}, unexpected "
+                     f"(scan_layers={cfg.runtime.scan_layers}); missing {missing[:4]}, unexpected "
                      f"{extra[:4]}; load the base with the same model.* config")
   for path, var in expected.items():
     if tuple(base[path].shape) != tuple(var.shape):
       raise ValueError(f"frozen_from_base: {'/'.join(path)} has shape {tuple(base[path].shape)}, "
                        f"the model expects {tuple(var.shape)}")
-  param_dtype = jnp.dtype(cfg.param_dtype)
+  param_dtype = jnp.dtype(cfg.runtime.param_dtype)
   for path, node in list(nnx.iter_graph(model)):
     if isinstance(node, QuantizedWeight):
       node.quantize_from(base[_key(path)])
@@ -100,8 +97,8 @@ def frozen_from_base(base_params, cfg):
 
 
 def merged_params(model):
-  """The plain model's param state (lora_rank=0, base_quant="none": the tree of a plain Llama,
-  in cfg.param_dtype) with W + (alpha / r) A @ B folded in and quantized weights dequantized:
+  """The plain model's param state (lora_rank=0, base_quant="none": the tree of a plain model,
+  in its param dtype) with W + (alpha / r) A @ B folded in and quantized weights dequantized:
   for Hugging Face export, save_params and generation. Jit-able given the model as an argument,
   e.g. jax.jit(lambda g, a, f: merged_params(nnx.merge(g, a, f)), out_shardings=...)."""
   cfg = model.cfg
@@ -109,7 +106,7 @@ def merged_params(model):
   nodes = {_key(path): node for path, node in nnx.iter_graph(model)}
   deltas = {_key(path[:-1]) + (node.weight_name,): node.delta_weight()
             for path, node in nnx.iter_graph(model) if isinstance(node, LoRA)}
-  param_dtype = jnp.dtype(cfg.param_dtype)
+  param_dtype = jnp.dtype(cfg.runtime.param_dtype)
   for path, var in list(nnx.iter_graph(plain)):
     if not isinstance(var, nnx.Param):
       continue
@@ -148,7 +145,7 @@ def parameter_counts(cfg) -> ParameterCounts:
   plain_count, _ = _sizes(nnx.state(_abstract(plain_config(cfg)), nnx.Param))
   quantized = sum(node.num_params() for _, node in nnx.iter_graph(model)
                   if isinstance(node, QuantizedWeight))
-  adapters = trainable_count if cfg.lora_rank > 0 else 0
+  adapters = trainable_count if cfg.peft.lora_rank > 0 else 0
   return ParameterCounts(total=plain_count + adapters, trainable=trainable_count,
                          trainable_bytes=trainable_bytes, frozen_bytes=frozen_bytes,
                          quantized=quantized)
@@ -172,14 +169,14 @@ def check_mesh(cfg, mesh: Mesh):
     in_size = math.prod(node.shape[:node.num_in])
     split = _axis_size(mesh, node.storage_names[0])
     nodes.append((in_size, split))
-    groups = in_size // cfg.quant_group_size
+    groups = in_size // cfg.peft.quant_group_size
     if groups % split or (in_size // 2) % split:
       bad.append(f"{'/'.join(map(str, path))} ({groups} groups of {in_size} inputs over "
                  f"{node.storage_names[0]!r}, split {split} ways)")
   if bad:
     fits = [g for g in (256, 128, 64, 32, 16, 8, 4, 2)
             if all(i % g == 0 and (i // g) % s == 0 for i, s in nodes)]
-    raise ValueError(f"lora.quant_group_size={cfg.quant_group_size}: quantization scales cannot "
+    raise ValueError(f"lora.quant_group_size={cfg.peft.quant_group_size}: quantization scales cannot "
                      f"be sharded evenly on mesh {dict(mesh.shape)}: {'; '.join(bad[:3])}; use "
                      f"lora.quant_group_size={fits[0] if fits else '(none fits)'} or fewer "
                      f"devices on that mesh axis")

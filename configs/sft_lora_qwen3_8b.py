@@ -1,0 +1,46 @@
+"""Qwen3 8B, supervised fine-tuning with LoRA adapters on every projection, on one 24 GB GPU.
+
+The frozen base is bfloat16 (16.4 GB; it never updates, so no float32 copy) and comes from a
+converted Hugging Face checkpoint; only the rank-16 adapters and their optimizer state train
+and are checkpointed. Target: one L4 (l4x1, 24 GB), where a single-GPU fine-tune runs: the batch
+of 32 sequences of 2048 tokens goes as 32 microbatches of one, each layer recomputed in the
+backward pass (remat `full`). Chat records go through the tokenizer's chat template, the loss
+on the assistant turns.
+
+  python -m jaxtrain.interop.hf import --hf_dir=Qwen3-8B --out=weights/qwen3_8b
+  python -m jaxtrain.main --config=configs/sft_lora_qwen3_8b.py --workdir=runs/sft_qwen3 \\
+    --config.checkpoint.init_from=weights/qwen3_8b \\
+    --config.data.tokenizer=hf:weights/qwen3_8b/tokenizer.json \\
+    --config.data.train_paths='chat/*.jsonl'
+"""
+
+import os
+
+from jaxtrain.config import load_config_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def get_config():
+  c = load_config_file(os.path.join(HERE, "qwen3_8b.py"))
+  c.target = "l4x1"
+  c.model.param_dtype = "bfloat16"  # the frozen base; adapters and their optimizer stay float32
+  c.model.remat_policy = "full"
+  c.lora.rank = 16
+  c.lora.alpha = 32.0
+  c.lora.dropout = 0.05
+  c.lora.targets = "q,k,v,o,gate,up,down"
+
+  c.data.source = "jsonl"
+  c.data.format = "chat"
+  c.train.seq_len = 2048
+  c.train.global_batch_size = 32
+  c.train.grad_accum_steps = 32
+  c.train.steps = 2000
+  c.train.eval_every = 200
+  c.train.loss_chunk_size = 512  # [1, 512, 151936] float32 logits at a time
+  c.optim.learning_rate = 2e-4
+  c.optim.warmup_steps = 50
+  c.optim.weight_decay = 0.0
+  c.checkpoint.every_steps = 200
+  return c

@@ -1,0 +1,210 @@
+"""The model's config, in four parts: what the architecture is (what a config.json says), how it
+runs (dtypes, remat, kernels), how it is parallelized, and its adapters (LoRA / QLoRA).
+
+`ModelConfig.from_config(run_config)` builds it from the ml-collections run config (its `model`,
+`attention`, `pipeline` and `lora` groups); `ModelConfig.of(**fields)` and `cfg.replace(**fields)`
+take any part's field by name, for tests and scripts:
+
+    cfg = ModelConfig.of(family="qwen3", vocab_size=128, num_layers=2, d_model=64, num_heads=4,
+                         num_kv_heads=2, head_dim=32, mlp_dim=128)
+    cfg.arch.d_model, cfg.runtime.dtype, cfg.replace(scan_layers=False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxtrain.models import registry
+from jaxtrain.models.features import Features
+
+FULL, SLIDING = "full", "sliding"
+LAYER_TYPES = (FULL, SLIDING)
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+  """What the model computes: the numbers of its config.json and its family's switches."""
+  vocab_size: int
+  num_layers: int
+  d_model: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  family: str = "llama"
+  norm_eps: float = 1e-5
+  rope_theta: float = 500000.0
+  # Frequency scaling of the (global layers') RoPE, hashable: (("type", "llama3"), ("factor",
+  # 8.0), ...) or (("type", "linear"), ("factor", 8.0)); None: plain RoPE.
+  rope_scaling: tuple[tuple[str, Any], ...] | None = None
+  max_position_embeddings: int = 8192
+  tie_embeddings: bool = False
+  init_std: float = 0.02
+  # Sliding-window attention: a token sees the `sliding_window` tokens ending at itself on the
+  # layers whose type is "sliding"; 0: no window anywhere.
+  sliding_window: int = 0
+  # Per layer "full" or "sliding"; empty: every layer sliding when sliding_window > 0, else full.
+  layer_types: tuple[str, ...] = ()
+  # RoPE base of the sliding layers (plain RoPE, no scaling); 0: the same RoPE as the others.
+  local_rope_theta: float = 0.0
+  # The softmax scale is query_pre_attn_scalar ** -0.5; 0: head_dim ** -0.5.
+  query_pre_attn_scalar: float = 0.0
+
+  @property
+  def features(self) -> Features:
+    return registry.get(self.family).features
+
+  def sliding_layers(self) -> tuple[bool, ...]:
+    """Whether each layer attends within the sliding window."""
+    if not self.sliding_window:
+      return (False,) * self.num_layers
+    if not self.layer_types:
+      return (True,) * self.num_layers
+    return tuple(t == SLIDING for t in self.layer_types)
+
+  @property
+  def sm_scale(self) -> float:
+    return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+  """How the model computes: dtypes, the layer loop and remat, the attention kernel."""
+  scan_layers: bool = True
+  remat_policy: str = "minimal"
+  attention_impl: str = "xla"
+  attention_interpret: bool = False  # pallas: run the kernels in the Pallas interpreter
+  attention_blocks: tuple[int, int] = (0, 0)  # pallas: (block_q, block_k); 0 = the default
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+  # Weight gradients of the projections and the head from an explicitly transposed input
+  # (peft.projection.dense): faster GEMMs on XLA:CPU. from_config sets it for the CPU platform
+  # only; on accelerators XLA picks operand layouts itself.
+  explicit_transpose_for_dw: bool = False
+  # What the model compiles for ("cpu", "gpu", "tpu"): it picks the attention kernel's route.
+  # The mesh's devices decide it (train_setup.build), not the process's default backend, so a
+  # CPU process compiles the GPU or TPU program for a deviceless target.
+  platform: str = "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+  """How the layers and the sequence are split when the mesh asks for it (jaxtrain/parallel)."""
+  # Under a mesh with a `context` axis > 1: how attention crosses the split sequence, and
+  # whether the sequence is in the load-balanced layout.
+  context_parallel: str = "all_gather"
+  context_load_balance: bool = True
+  # Under a mesh with a `stage` axis > 1: microbatches per pass (0: as many as stages),
+  # circular repeats, and whether FSDP gathers a stage's weights once per step.
+  pipeline_microbatches: int = 0
+  pipeline_repeats: int = 1
+  pipeline_gather_weights_once: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapters:
+  """LoRA / QLoRA (the run config's `lora` group; rank 0 = the plain model, bit for bit)."""
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_dropout: float = 0.0  # on the adapters' inputs, only when a dropout key is given
+  lora_targets: tuple[str, ...] = ()  # subset of the family's lora_targets
+  base_quant: str = "none"  # "none" | "int8" | "int4" | "nf4": storage of the frozen projections
+  quant_group_size: int = 64  # input elements per quantization scale
+
+
+_PARTS = {"arch": Architecture, "runtime": Runtime, "parallel": Parallelism, "peft": Adapters}
+_OWNER = {f.name: part for part, cls in _PARTS.items() for f in dataclasses.fields(cls)}
+
+
+def _by_part(fields: dict) -> dict[str, dict]:
+  """Fields named without their part, sorted into {part: {name: value}}."""
+  parts = {part: {} for part in _PARTS}
+  for name, value in fields.items():
+    if name not in _OWNER:
+      raise TypeError(f"ModelConfig has no field {name!r}")
+    parts[_OWNER[name]][name] = value
+  return parts
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  arch: Architecture
+  runtime: Runtime = Runtime()
+  parallel: Parallelism = Parallelism()
+  peft: Adapters = Adapters()
+
+  @classmethod
+  def of(cls, **fields) -> "ModelConfig":
+    """A config from fields of any part, by name (the architecture's are required)."""
+    return cls(**{part: _PARTS[part](**values) for part, values in _by_part(fields).items()})
+
+  def replace(self, **fields) -> "ModelConfig":
+    """This config with fields of any part replaced, by name."""
+    return dataclasses.replace(self, **{
+        part: dataclasses.replace(getattr(self, part), **values)
+        for part, values in _by_part(fields).items() if values})
+
+  @classmethod
+  def from_config(cls, config, platform: str | None = None) -> "ModelConfig":
+    """From the ml-collections run config (its `model`, `attention`, `pipeline`, `lora` groups).
+
+    `platform` ("cpu", "gpu", "tpu"; default: this process's JAX backend) is what the model
+    compiles for: it resolves `model.dtype="auto"` (bfloat16 compute on accelerators, float32 on
+    CPU) and the attention kernel's route.
+    """
+    # Imported here: the config layer imports this module for the family names.
+    import jax  # pylint: disable=import-outside-toplevel
+    from jaxtrain.config import lora_targets, resolve_compute_dtype  # pylint: disable=import-outside-toplevel
+    from jaxtrain.parallel.mesh import platform_of_backend  # pylint: disable=import-outside-toplevel
+
+    m, a, p = config.model, config.attention, config.pipeline
+    platform = platform_of_backend(platform or jax.default_backend())
+    peft = Adapters()
+    # Rank 0 maps to the default fields, so a plain run config gives the plain ModelConfig.
+    if "lora" in config and config.lora.rank > 0:
+      peft = Adapters(lora_rank=config.lora.rank, lora_alpha=float(config.lora.alpha),
+                      lora_dropout=float(config.lora.dropout),
+                      lora_targets=lora_targets(config), base_quant=config.lora.quantize_base,
+                      quant_group_size=config.lora.quant_group_size)
+    runtime = Runtime(scan_layers=m.scan_layers, remat_policy=m.remat_policy,
+                      attention_impl=a.impl, attention_interpret=a.interpret,
+                      attention_blocks=(a.block_q, a.block_k), param_dtype=m.param_dtype,
+                      dtype=resolve_compute_dtype(m.dtype, platform),
+                      explicit_transpose_for_dw=platform == "cpu", platform=platform)
+    parallel = Parallelism(context_parallel=a.context_parallel,
+                           context_load_balance=bool(a.load_balance),
+                           pipeline_microbatches=p.microbatches, pipeline_repeats=p.repeats,
+                           pipeline_gather_weights_once=p.gather_weights_once)
+    return cls(arch=architecture_of(m), runtime=runtime, parallel=parallel, peft=peft)
+
+
+def rope_scaling_of(model_group) -> tuple[tuple[str, Any], ...] | None:
+  """config.model.rope_scaling as the hashable tuple Architecture keeps (None for "none")."""
+  rs = model_group.rope_scaling
+  if rs.type == "llama3":
+    keys = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
+  elif rs.type == "linear":
+    keys = ("factor",)
+  else:
+    return None
+  return (("type", rs.type),) + tuple((k, rs[k]) for k in keys)
+
+
+def parse_layer_types(value: str) -> tuple[str, ...]:
+  """config.model.layer_types ("full,sliding,...", or "") as a tuple."""
+  return tuple(t.strip() for t in value.split(",") if t.strip())
+
+
+def architecture_of(model_group) -> Architecture:
+  """The Architecture of the run config's `model` group."""
+  m = model_group
+  return Architecture(
+      family=m.family, vocab_size=m.vocab_size, num_layers=m.num_layers, d_model=m.d_model,
+      num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+      mlp_dim=m.mlp_dim, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+      rope_scaling=rope_scaling_of(m), max_position_embeddings=m.max_position_embeddings,
+      tie_embeddings=m.tie_embeddings, init_std=m.init_std,
+      sliding_window=int(m.sliding_window), layer_types=parse_layer_types(m.layer_types),
+      local_rope_theta=float(m.local_rope_theta),
+      query_pre_attn_scalar=float(m.query_pre_attn_scalar))

@@ -1,0 +1,64 @@
+"""What a model costs, from its Architecture: parameters, and training FLOPs per token.
+
+One definition for every family, reading the same switches the layers read (features.py), so a
+family's count changes exactly where its model does. The meter, the run table and the dry run
+all use these (through jaxtrain.metrics and the objectives).
+
+FLOPs per token = 6 * N_matmul + attention, where
+
+  N_matmul  parameters that take part in a matmul: per layer the q, k, v, o projections and the
+            MLP gate/up/down, plus the output head (D*V). The embedding lookup, norm scales and
+            biases do no matmul FLOPs. With tied embeddings the table *is* the head: D*V once.
+  6 *       2 FLOPs per multiply-add forward, and the backward costs twice the forward.
+  attention QK^T and AV: 4*H*E FLOPs per (query, visible key) pair forward, times 3 for training,
+            times the keys a query sees on average: T/2 for causal attention over T tokens
+            (FLOPs on masked pairs are not credited, whatever a kernel computes), and for a
+            sliding window W < T: (W(W+1)/2 + (T-W)W) / T.
+
+Not counted: norms, RoPE, softmax, the gate's elementwise product, the loss (all O(D) per token),
+nor rematerialization (MFU credits model FLOPs, not recomputed ones).
+"""
+
+from __future__ import annotations
+
+
+def _per_layer_matmul_params(arch) -> int:
+  d, h, k, e, f = arch.d_model, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.mlp_dim
+  return d * h * e + 2 * d * k * e + h * e * d + 3 * d * f  # q, k+v (grouped), o, gated MLP
+
+
+def param_count(arch) -> int:
+  """Parameters of the model: embedding V*D; per layer the projections, 2 norm scales of D (4 with
+  sandwich norms), q/k norms of E each, q/k/v biases; final norm D; head D*V unless tied."""
+  features = arch.features
+  d, e = arch.d_model, arch.head_dim
+  per_layer = _per_layer_matmul_params(arch) + (4 if features.sandwich_norms else 2) * d
+  if features.qk_norm:
+    per_layer += 2 * e
+  if features.qkv_bias:
+    per_layer += (arch.num_heads + 2 * arch.num_kv_heads) * e
+  head = 0 if arch.tie_embeddings else d * arch.vocab_size
+  return arch.vocab_size * d + arch.num_layers * per_layer + d + head
+
+
+def matmul_params(arch) -> int:
+  """N_matmul: every layer's projections plus the output head (once, tied or not)."""
+  return arch.num_layers * _per_layer_matmul_params(arch) + arch.d_model * arch.vocab_size
+
+
+def keys_per_query(seq_len: int, window: int | None) -> float:
+  """Keys an average query sees under causal attention over `seq_len` tokens (T/2, as the
+  standard MFU count takes it), within `window` tokens when given."""
+  t = float(seq_len)
+  if not window or window >= t:
+    return t / 2
+  w = float(window)
+  return (w * (w + 1) / 2 + (t - w) * w) / t
+
+
+def flops_per_token(arch, seq_len: int) -> float:
+  """Training (forward + backward) FLOPs per token at sequence length `seq_len`."""
+  window = arch.sliding_window or None
+  visible = sum(keys_per_query(seq_len, window if sliding else None)
+                for sliding in arch.sliding_layers())
+  return 6.0 * matmul_params(arch) + 12.0 * arch.num_heads * arch.head_dim * visible

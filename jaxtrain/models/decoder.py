@@ -1,0 +1,180 @@
+"""The decoder-only language model every family builds: embeddings, a stack of shared layers
+(models/layers.py), the final norm and the output head, in Flax NNX, free of parallelism code.
+
+Layers are stacked on a leading `layers` axis (or kept as a list) and run by
+`parallel/layer_stack.run_layers`: scanned or unrolled under remat with a named policy, or as
+pipeline stages. The model also owns its decode step with a KV cache (`forward_with_cache`),
+which generation and the GRPO rollouts call. Shape letters: B batch, T length, D model dim,
+V vocab, L layers (the layers' own in layers.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.layers import Block, norm, param
+from jaxtrain.models.remat import remat_policy
+from jaxtrain.parallel import context_parallel, layer_stack
+from jaxtrain.parallel.mesh import shard
+from jaxtrain.peft import lora as lora_lib
+
+
+def stack_options(cfg: ModelConfig) -> layer_stack.StackOptions:
+  """How `cfg`'s layers run (parallel/layer_stack.py): loop, remat policy, pipeline schedule."""
+  rt, par = cfg.runtime, cfg.parallel
+  remat = rt.remat_policy != "none"
+  return layer_stack.StackOptions(
+      scan_layers=rt.scan_layers, remat=remat,
+      policy=remat_policy(rt.remat_policy) if remat else None,
+      stage_policy=remat_policy(rt.remat_policy, by_name=True) if remat else None,
+      pipeline_microbatches=par.pipeline_microbatches, pipeline_repeats=par.pipeline_repeats,
+      pipeline_gather_weights_once=par.pipeline_gather_weights_once)
+
+
+def _uniform(values: tuple[bool, ...]) -> bool | None:
+  """The one value of `values`, or None when they differ."""
+  return values[0] if len(set(values)) == 1 else None
+
+
+class Decoder(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    lora_lib.check_config(cfg.peft, cfg.arch)
+    self.cfg = cfg
+    a = cfg.arch
+    self.embed_VD = param(rngs, (a.vocab_size, a.d_model), ("vocab", "embed"), a.init_std,
+                          jnp.dtype(cfg.runtime.param_dtype))
+    sliding = a.sliding_layers()
+    if cfg.runtime.scan_layers:
+      # A stacked layer cannot hold its own type as a static value: with both types in the
+      # stack, each call gets it from `layer_inputs` (a traced bool).
+      @nnx.split_rngs(splits=a.num_layers)
+      @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+      def make_stack(rngs):
+        return Block(cfg, rngs, _uniform(sliding))
+      self.layers = make_stack(rngs)
+    else:
+      self.layers = nnx.List([Block(cfg, rngs, s) for s in sliding])
+    self.final_norm = norm(cfg, a.d_model)
+    if not a.tie_embeddings:
+      self.head_DV = param(rngs, (a.d_model, a.vocab_size), ("embed", "vocab"), a.init_std,
+                           jnp.dtype(cfg.runtime.param_dtype))
+
+  def head_weights(self) -> jax.Array:
+    """Output projection [D, V] in the compute dtype (the embedding table when tied)."""
+    w_DV = self.embed_VD[...].T if self.cfg.arch.tie_embeddings else self.head_DV[...]
+    return w_DV.astype(self.cfg.runtime.dtype)
+
+  def _embed(self, table_VD, tokens_BT) -> jax.Array:
+    x_BTD = jnp.take(table_VD, tokens_BT, axis=0)
+    if self.cfg.arch.features.scale_embeddings:
+      # sqrt(D) rounded to the compute dtype first, as Gemma's reference does.
+      x_BTD = x_BTD * jnp.asarray(math.sqrt(self.cfg.arch.d_model), x_BTD.dtype)
+    return x_BTD
+
+  def _layer_types(self) -> np.ndarray | None:
+    """Each stacked layer's `sliding` flag [L] when the stack mixes both types, else None (each
+    layer knows its own)."""
+    sliding = self.cfg.arch.sliding_layers()
+    if not self.cfg.runtime.scan_layers or _uniform(sliding) is not None:
+      return None
+    return np.asarray(sliding)
+
+  def sequence_layout(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The [B, T] arrays of `batch` in the order `hidden_states` expects under the current mesh:
+    unchanged, unless a `context` axis > 1 splits the sequence in the load-balanced layout
+    (jaxtrain.parallel.context_parallel). Any per-token arrays (targets, loss masks) go through
+    together, so per-token losses pair up as before."""
+    return context_parallel.to_layout(batch, context_parallel.context_size(),
+                                      self.cfg.parallel.context_load_balance)
+
+  def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
+                    dropout_key=None) -> jax.Array:
+    """Final-normed hidden states [B, T, D]; the loss applies the head in chunks.
+
+    Under a mesh whose `context` axis splits the sequence, the inputs must already be in its
+    layout (`sequence_layout`; positions given), and the outputs are in that layout too.
+
+    `dropout_key`: LoRA dropout (training); None (eval, generation) runs without. Each layer
+    gets its own key from it, and each adapter folds in its projection's index.
+    """
+    cfg = self.cfg
+    b, t = tokens_BT.shape
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    # Gather the table whole (in the compute dtype) before the lookup, as FSDP does for every
+    # weight: a gather from a vocab-sharded table makes XLA replicate the result instead.
+    table_VD = shard(self.embed_VD[...].astype(cfg.runtime.dtype), (None, None))
+    x_BTD = shard(self._embed(table_VD, tokens_BT), ("act_batch", "act_length", "act_embed"))
+    layer_inputs = {}
+    if dropout_key is not None and cfg.peft.lora_rank > 0 and cfg.peft.lora_dropout > 0:
+      layer_inputs["dropout_key"] = jax.random.split(dropout_key, cfg.arch.num_layers)
+    if (sliding := self._layer_types()) is not None:
+      layer_inputs["sliding"] = sliding
+    x_BTD = layer_stack.run_layers(self.layers, x_BTD, positions_BT, segment_ids_BT,
+                                   layer_inputs, stack_options(cfg))
+    return self.final_norm(x_BTD)
+
+  def empty_cache(self, batch: int, length: int) -> dict[str, jax.Array]:
+    """A KV cache for `batch` rows of `length` positions: {"k", "v"}, [L, B, S, K, E] each."""
+    a = self.cfg.arch
+    shape = (a.num_layers, batch, length, a.num_kv_heads, a.head_dim)
+    # Under a mesh (the GRPO rollouts) rows follow the batch's data-parallel split and heads the
+    # tensor axis, like the activations; a no-op without one. The cache is made inside the jit
+    # and carried through the decode loop, so XLA updates it in place (no copy per token).
+    names = (None, "act_batch", None, "act_kv_heads", None)
+    dtype = self.cfg.runtime.dtype
+    return {"k": shard(jnp.zeros(shape, dtype), names), "v": shard(jnp.zeros(shape, dtype), names)}
+
+  def forward_with_cache(self, tokens_BC, start_B, cache):
+    """(float32 logits [B, C, V], updated cache) for C new tokens per row at positions
+    start_B + [0, C): the decode step of generation and the GRPO rollouts."""
+    cfg = self.cfg
+    positions_BC = start_B[:, None] + jnp.arange(tokens_BC.shape[1], dtype=jnp.int32)[None]
+    x_BCD = self._embed(self.embed_VD[...].astype(cfg.runtime.dtype), tokens_BC)
+    if cfg.runtime.scan_layers:
+      sliding = self._layer_types()
+
+      @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, None if sliding is None else 0),
+                out_axes=(nnx.Carry, 0, 0), transform_metadata={nnx.PARTITION_NAME: "layers"})
+      def run_stack(x_BCD, block, cache_k, cache_v, sliding):
+        return block.decode(x_BCD, positions_BC, cache_k, cache_v, start_B, sliding)
+
+      x_BCD, new_k, new_v = run_stack(x_BCD, self.layers, cache["k"], cache["v"], sliding)
+    else:
+      ks, vs = [], []
+      for i, block in enumerate(self.layers):
+        x_BCD, k_i, v_i = block.decode(x_BCD, positions_BC, cache["k"][i], cache["v"][i],
+                                       start_B)
+        ks.append(k_i)
+        vs.append(v_i)
+      new_k, new_v = jnp.stack(ks), jnp.stack(vs)
+    x_BCD = self.final_norm(x_BCD)
+    logits_BCV = jnp.einsum("BCD,DV->BCV", x_BCD, self.head_weights(),
+                            preferred_element_type=jnp.float32)
+    return logits_BCV, {"k": new_k, "v": new_v}
+
+  def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
+               dropout_key=None) -> jax.Array:
+    """Logits [B, T, V] in float32 (for generation and interop; training uses the chunked loss),
+    in the order of the inputs whatever the mesh."""
+    b, t = tokens_BT.shape
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    inputs = {"tokens": tokens_BT, "positions": positions_BT}
+    if segment_ids_BT is not None:
+      inputs["segment_ids"] = segment_ids_BT
+    inputs = self.sequence_layout(inputs)
+    x_BTD = self.hidden_states(inputs["tokens"], inputs["positions"], inputs.get("segment_ids"),
+                               dropout_key=dropout_key)
+    logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.head_weights(),
+                            preferred_element_type=jnp.float32)
+    logits_BTV = context_parallel.from_layout(logits_BTV, context_parallel.context_size(),
+                                              self.cfg.parallel.context_load_balance)
+    return shard(logits_BTV, ("act_batch", "act_length", "act_vocab"))

@@ -1,0 +1,55 @@
+"""What a model family changes in the shared decoder: one switch per difference.
+
+Every difference between the families this package trains is implemented once, in
+models/layers.py or models/decoder.py, and chosen by one of these fields. A family module
+(models/llama.py, qwen3.py, ...) is a `Family` record naming its switches, what Hugging Face
+calls it, and which projections LoRA may adapt. Numbers a config.json gives (sliding window,
+layer types, RoPE bases, softmax scale) are architecture fields (models/config.py), not switches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+# Projections that can carry LoRA adapters in the shared decoder: attention q/k/v/o and the
+# gated MLP's three.
+ALL_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+  """The decoder's switches. The defaults are Llama: every other family is a few changes."""
+  # RMSNorm over each head's queries and keys after the projections, before RoPE (Qwen3, Gemma 3).
+  qk_norm: bool = False
+  # Biases on the q, k and v projections (Qwen2.5); o and the MLP stay without.
+  qkv_bias: bool = False
+  # RMSNorm multiplies by (1 + w) instead of w, with w stored as the checkpoint stores it
+  # (Gemma): zero-initialized scales start as the identity.
+  norm_plus_one: bool = False
+  # Four norms per layer: before and after attention, before and after the MLP; the outputs of
+  # both sublayers are normed before the residual add (Gemma 3).
+  sandwich_norms: bool = False
+  # Embeddings multiplied by sqrt(D) (rounded to the compute dtype, as the reference does) before
+  # the first layer (Gemma).
+  scale_embeddings: bool = False
+  # The gated MLP's nonlinearity: SwiGLU's silu, or GeGLU's tanh-approximated GELU (Gemma).
+  mlp_activation: str = "silu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One model family: its switches and its names on the Hugging Face side."""
+  name: str
+  features: Features
+  # config.json `model_type` values this family imports (the first is what export writes).
+  hf_model_types: tuple[str, ...]
+  # The class export names in config.json `architectures`.
+  hf_architecture: str
+  # transformers' defaults for optional config.json fields of this family, so a sparse file means
+  # here what it means there.
+  hf_defaults: Mapping[str, object]
+  lora_targets: tuple[str, ...] = ALL_PROJECTIONS
+  # What the family's docs say in one line (the run table, docs/models.md).
+  summary: str = ""

@@ -1,0 +1,267 @@
+"""The shared decoder layer, in Flax NNX: RMSNorm, attention, the gated MLP and the block.
+
+Every family (models/features.py) is this layer with some switches on; each switch is read in
+exactly one place below. Every parameter names its dims with logical axes (see
+parallel/mesh.LOGICAL_RULES); activation constraints go through `mesh.shard`, a no-op without a
+mesh. Shape letters: B batch, T length, C new tokens (decode), S cache length, D model dim,
+H query heads, K kv heads, E head dim, F mlp dim.
+
+Fine-tuning (jaxtrain/peft): with lora_rank > 0 each targeted projection gets a LoRA adapter
+(`lora_<target>` beside its weight); with base_quant != "none" the seven projection weights are
+stored quantized (`QuantizedWeight` in the weight's place). Each projection is one
+`peft.project` call, which is the plain matmul when neither applies.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtrain import attention as attention_lib
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.rope import apply_rope, rope_inv_freq
+from jaxtrain.parallel.mesh import shard
+from jaxtrain.peft import lora as lora_lib
+from jaxtrain.peft.projection import project
+from jaxtrain.peft.quantize import QuantizedWeight
+
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
+def param(rngs: nnx.Rngs, shape, names, std, dtype) -> nnx.Param:
+  init = jax.nn.initializers.normal(stddev=std)
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names)
+
+
+def _weight(cfg: ModelConfig, rngs: nnx.Rngs, shape, names, std, num_in: int = 1):
+  """A projection weight [*in, *out]: a Param, or its frozen quantized storage under QLoRA."""
+  w = param(rngs, shape, names, std, jnp.dtype(cfg.runtime.param_dtype))
+  if cfg.peft.base_quant == "none":
+    return w
+  return QuantizedWeight(w[...], names, cfg.peft.base_quant, cfg.peft.quant_group_size, num_in)
+
+
+def _bias(cfg: ModelConfig, shape, names) -> nnx.Param:
+  return nnx.Param(jnp.zeros(shape, jnp.dtype(cfg.runtime.param_dtype)), out_sharding=names)
+
+
+class RMSNorm(nnx.Module):
+  """x / rms(x) * w over the last dim, in float32; `plus_one`: times (1 + w), w starting at 0."""
+
+  def __init__(self, dim: int, eps: float, param_dtype, plus_one: bool = False):
+    self.eps = eps
+    self.plus_one = plus_one
+    init = jnp.zeros if plus_one else jnp.ones
+    self.scale = nnx.Param(init((dim,), param_dtype), out_sharding=("norm",))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    scale = self.scale[...].astype(jnp.float32)
+    return (y * (1.0 + scale if self.plus_one else scale)).astype(x.dtype)
+
+
+def norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+  return RMSNorm(dim, cfg.arch.norm_eps, jnp.dtype(cfg.runtime.param_dtype),
+                 cfg.arch.features.norm_plus_one)
+
+
+def _scaling_dict(scaling) -> dict | None:
+  return dict(scaling) if scaling else None
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sliding: bool | None = False):
+    """`sliding`: whether this layer attends within the window; None: decided per call (a
+    stacked layer whose type the layer loop passes in)."""
+    a, features = cfg.arch, cfg.arch.features
+    d, h, k, e = a.d_model, a.num_heads, a.num_kv_heads, a.head_dim
+    out_std = a.init_std / math.sqrt(2 * a.num_layers)  # residual branches sum over 2L
+    q = (d, h, e), ("embed", "heads", "head_dim")
+    kv = (d, k, e), ("embed", "kv_heads", "head_dim")
+    o = (h, e, d), ("heads", "head_dim", "embed")
+    self.wq_DHE = _weight(cfg, rngs, *q, a.init_std)
+    self.wk_DKE = _weight(cfg, rngs, *kv, a.init_std)
+    self.wv_DKE = _weight(cfg, rngs, *kv, a.init_std)
+    self.wo_HED = _weight(cfg, rngs, *o, out_std, num_in=2)
+    # Qwen2.5's biases; Qwen3's and Gemma 3's per-head norms. None where the family has none.
+    with_bias = features.qkv_bias
+    self.bq_HE = _bias(cfg, (h, e), ("heads", "head_dim")) if with_bias else None
+    self.bk_KE = _bias(cfg, (k, e), ("kv_heads", "head_dim")) if with_bias else None
+    self.bv_KE = _bias(cfg, (k, e), ("kv_heads", "head_dim")) if with_bias else None
+    self.q_norm = norm(cfg, e) if features.qk_norm else None
+    self.k_norm = norm(cfg, e) if features.qk_norm else None
+    # LoRA adapters: None unless lora_rank > 0 and the projection is in lora_targets.
+    self.lora_q = lora_lib.adapter(cfg.peft, rngs, "q", "wq_DHE", *q)
+    self.lora_k = lora_lib.adapter(cfg.peft, rngs, "k", "wk_DKE", *kv)
+    self.lora_v = lora_lib.adapter(cfg.peft, rngs, "v", "wv_DKE", *kv)
+    self.lora_o = lora_lib.adapter(cfg.peft, rngs, "o", "wo_HED", *o, num_in=2)
+    # Static (hashable) so it stays out of the param state; inv_freq is a trace-time constant.
+    # Sliding layers may have a RoPE of their own (Gemma 3's local base, without scaling).
+    self.rope = (e, a.rope_theta, a.rope_scaling)
+    self.local_rope = (e, a.local_rope_theta, None) if a.local_rope_theta else self.rope
+    self.window = a.sliding_window
+    self.sliding = sliding if a.sliding_window else False
+    # None keeps the kernels' own head_dim ** -0.5 (bit for bit the former model).
+    self.sm_scale = a.sm_scale if a.query_pre_attn_scalar else None
+    self.impl = cfg.runtime.attention_impl
+    block_q, block_k = cfg.runtime.attention_blocks
+    # A tuple, not a dict: NNX keeps static attributes in the graph definition, which must hash.
+    self.attention_options = (("platform", cfg.runtime.platform),
+                              ("interpret", cfg.runtime.attention_interpret),
+                              ("block_q", block_q or None), ("block_k", block_k or None),
+                              ("context_parallel", cfg.parallel.context_parallel),
+                              ("load_balance", cfg.parallel.context_load_balance))
+    self.dtype = jnp.dtype(cfg.runtime.dtype)
+    self.explicit_transpose_for_dw = cfg.runtime.explicit_transpose_for_dw
+
+  def _is_sliding(self, sliding):
+    """This call's layer type: the layer's own, else the one passed in (a traced bool scalar
+    for stacked layers of mixed types, a Python bool for unrolled ones)."""
+    return self.sliding if self.sliding is not None else sliding
+
+  def _inv_freq(self, sliding):
+    inv_global = rope_inv_freq(self.rope[0], self.rope[1], _scaling_dict(self.rope[2]))
+    if self.local_rope == self.rope or sliding is False:
+      return inv_global
+    inv_local = rope_inv_freq(self.local_rope[0], self.local_rope[1], None)
+    if sliding is True:
+      return inv_local
+    return jnp.where(sliding, inv_local, inv_global)
+
+  def _qkv(self, x_BTD, positions_BT, proj, sliding, *, training: bool):
+    """Queries, keys and values [B, T, heads, E], RoPE applied. `training`: with the
+    activation shardings and the checkpoint names the remat policies save by."""
+    q_BTHE = proj(x_BTD, self.wq_DHE, self.lora_q)
+    k_BTKE = proj(x_BTD, self.wk_DKE, self.lora_k)
+    v_BTKE = proj(x_BTD, self.wv_DKE, self.lora_v)
+    if self.bq_HE is not None:
+      q_BTHE = q_BTHE + self.bq_HE[...].astype(q_BTHE.dtype)
+      k_BTKE = k_BTKE + self.bk_KE[...].astype(k_BTKE.dtype)
+      v_BTKE = v_BTKE + self.bv_KE[...].astype(v_BTKE.dtype)
+    if training:
+      q_BTHE = checkpoint_name(shard(q_BTHE, ("act_batch", "act_length", "act_heads", None)),
+                               "query_proj")
+      k_BTKE = checkpoint_name(shard(k_BTKE, ("act_batch", "act_length", "act_kv_heads", None)),
+                               "key_proj")
+      v_BTKE = checkpoint_name(shard(v_BTKE, ("act_batch", "act_length", "act_kv_heads", None)),
+                               "value_proj")
+    if self.q_norm is not None:
+      q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
+    inv_freq = self._inv_freq(sliding)
+    return (apply_rope(q_BTHE, positions_BT, inv_freq), apply_rope(k_BTKE, positions_BT, inv_freq),
+            v_BTKE)
+
+  def _attend(self, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, sliding):
+    attend = functools.partial(attention_lib.attention, impl=self.impl, sm_scale=self.sm_scale,
+                               **dict(self.attention_options))
+    if sliding is False:
+      return attend(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
+    if sliding is True:
+      return attend(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, window=self.window)
+    # Stacked layers of both types: one branch each, compiled once (the kernels need a static
+    # window). Under pipeline stages' vmap the cond becomes a select that runs both.
+    return jax.lax.cond(sliding, functools.partial(attend, window=self.window), attend,
+                        q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
+
+  def decode(self, x_BCD, positions_BC, cache_k_BSKE, cache_v_BSKE, start_B, sliding=None):
+    """C new tokens per row with a KV cache (generation): their keys and values are written at
+    [start, start + C) and each query attends over the cache up to its position (and within the
+    window on sliding layers). Returns the sublayer's output and the updated cache."""
+    sliding = self._is_sliding(sliding)
+    proj = functools.partial(project, dtype=self.dtype)
+    q_BCHE, k_BCKE, v_BCKE = self._qkv(x_BCD, positions_BC, proj, sliding, training=False)
+    write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(
+        cache, new.astype(cache.dtype), (start, 0, 0)))
+    cache_k_BSKE = write(cache_k_BSKE, k_BCKE, start_B)
+    cache_v_BSKE = write(cache_v_BSKE, v_BCKE, start_B)
+    window = None
+    if sliding is True:
+      window = self.window
+    elif sliding is not False:
+      window = jnp.where(sliding, self.window, 0)  # <= 0: no window
+    out_BCHE = attention_lib.cached_attention(q_BCHE, cache_k_BSKE, cache_v_BSKE, positions_BC,
+                                              self.dtype, window=window, sm_scale=self.sm_scale)
+    b, c, h, e = out_BCHE.shape
+    out_BCD = proj(out_BCHE.reshape(b, c, h * e), self.wo_HED, self.lora_o, num_in=2)
+    return out_BCD, cache_k_BSKE, cache_v_BSKE
+
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None, sliding=None):
+    sliding = self._is_sliding(sliding)
+    proj = functools.partial(project, dtype=self.dtype, dropout_key=dropout_key,
+                             explicit_transpose_for_dw=self.explicit_transpose_for_dw)
+    q_BTHE, k_BTKE, v_BTKE = self._qkv(x_BTD, positions_BT, proj, sliding, training=True)
+    out_BTHE = self._attend(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, sliding)
+    b, t, h, e = out_BTHE.shape
+    out_BTD = proj(out_BTHE.reshape(b, t, h * e), self.wo_HED, self.lora_o, num_in=2)
+    return checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")), "out_proj")
+
+
+class MLP(nnx.Module):
+  """Gated MLP: down(act(x @ gate) * (x @ up)); act is silu (SwiGLU) or tanh-GELU (GeGLU)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    a = cfg.arch
+    d, f = a.d_model, a.mlp_dim
+    out_std = a.init_std / math.sqrt(2 * a.num_layers)
+    up = (d, f), ("embed", "mlp")
+    down = (f, d), ("mlp", "embed")
+    self.w_gate_DF = _weight(cfg, rngs, *up, a.init_std)
+    self.w_up_DF = _weight(cfg, rngs, *up, a.init_std)
+    self.w_down_FD = _weight(cfg, rngs, *down, out_std)
+    self.lora_gate = lora_lib.adapter(cfg.peft, rngs, "gate", "w_gate_DF", *up)
+    self.lora_up = lora_lib.adapter(cfg.peft, rngs, "up", "w_up_DF", *up)
+    self.lora_down = lora_lib.adapter(cfg.peft, rngs, "down", "w_down_FD", *down)
+    self.activation = a.features.mlp_activation
+    self.dtype = jnp.dtype(cfg.runtime.dtype)
+    self.explicit_transpose_for_dw = cfg.runtime.explicit_transpose_for_dw
+
+  def __call__(self, x_BTD, dropout_key=None):
+    proj = functools.partial(project, dtype=self.dtype, dropout_key=dropout_key,
+                             explicit_transpose_for_dw=self.explicit_transpose_for_dw)
+    gate_BTF = checkpoint_name(proj(x_BTD, self.w_gate_DF, self.lora_gate), "mlp_gate")
+    up_BTF = checkpoint_name(proj(x_BTD, self.w_up_DF, self.lora_up), "mlp_up")
+    act = _ACTIVATIONS[self.activation]
+    h_BTF = shard(act(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp"))
+    out_BTD = proj(h_BTF, self.w_down_FD, self.lora_down)
+    return checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")), "mlp_down")
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block; with sandwich norms (Gemma 3) each sublayer's output is normed too."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sliding: bool | None = False):
+    d = cfg.arch.d_model
+    sandwich = cfg.arch.features.sandwich_norms
+    self.attn_norm = norm(cfg, d)
+    self.attn = Attention(cfg, rngs, sliding)
+    self.post_attn_norm = norm(cfg, d) if sandwich else None
+    self.mlp_norm = norm(cfg, d)
+    self.mlp = MLP(cfg, rngs)
+    self.post_mlp_norm = norm(cfg, d) if sandwich else None
+
+  def _mlp_residual(self, x_BTD, dropout_key=None):
+    out_BTD = self.mlp(self.mlp_norm(x_BTD), dropout_key)
+    if self.post_mlp_norm is not None:
+      out_BTD = self.post_mlp_norm(out_BTD)
+    return x_BTD + out_BTD
+
+  def _attn_residual(self, x_BTD, out_BTD):
+    if self.post_attn_norm is not None:
+      out_BTD = self.post_attn_norm(out_BTD)
+    return x_BTD + out_BTD
+
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None, sliding=None):
+    out_BTD = self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, dropout_key, sliding)
+    return self._mlp_residual(self._attn_residual(x_BTD, out_BTD), dropout_key)
+
+  def decode(self, x_BCD, positions_BC, cache_k_BSKE, cache_v_BSKE, start_B, sliding=None):
+    out_BCD, cache_k_BSKE, cache_v_BSKE = self.attn.decode(
+        self.attn_norm(x_BCD), positions_BC, cache_k_BSKE, cache_v_BSKE, start_B, sliding)
+    return self._mlp_residual(self._attn_residual(x_BCD, out_BCD)), cache_k_BSKE, cache_v_BSKE
