@@ -68,7 +68,8 @@ def measure(size: str, repeats: int) -> tuple[int, float, float, float, float]:
           restore_times.append(time.perf_counter() - start)
         results["restore"] = float(np.median(restore_times))
       ckpt.close()
-  return count_params(setup.model_cfg.arch), nbytes, results["async"], results["sync"], results["restore"]
+  return (count_params(setup.model_cfg.arch), nbytes, results["async"], results["sync"],
+          results["restore"])
 
 
 def main():

@@ -1,7 +1,8 @@
 """Mistral 7B v0.3: 7.25B parameters, Llama's decoder with a 32768 vocabulary, full attention.
 
 Target: one 8-GPU H100 host (h100x8), like llama8b.py; fsdp over its 8 GPUs. Global batch 256 x
-8192 tokens as 16 microbatches of 2 sequences per GPU, remat `minimal`. Sizes from the published
+8192 tokens as 16 microbatches of 2 sequences per GPU, remat `minimal`: `--dry_run` (XLA's GPU
+compiler) needs 62.2 GiB of the H100's 79.1 GiB. Sizes from the published
 config.json (mistralai/Mistral-7B-v0.3): 32 layers, hidden 4096, 32 query / 8 kv heads, MLP
 14336, RoPE base 1e6, `sliding_window: null` (v0.1 had 4096: set model.sliding_window=4096).
 """

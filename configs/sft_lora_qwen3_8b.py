@@ -4,7 +4,8 @@ The frozen base is bfloat16 (16.4 GB; it never updates, so no float32 copy) and 
 converted Hugging Face checkpoint; only the rank-16 adapters and their optimizer state train
 and are checkpointed. Target: one L4 (l4x1, 24 GB), where a single-GPU fine-tune runs: the batch
 of 32 sequences of 2048 tokens goes as 32 microbatches of one, each layer recomputed in the
-backward pass (remat `full`). Chat records go through the tokenizer's chat template, the loss
+backward pass (remat `full`): `--dry_run` (XLA's GPU compiler) needs 17.2 GiB of its 22.5 GiB.
+Chat records go through the tokenizer's chat template, the loss
 on the assistant turns.
 
   python -m jaxtrain.interop.hf import --hf_dir=Qwen3-8B --out=weights/qwen3_8b

@@ -9,7 +9,10 @@ skips one [B*C, D] x [D, V] matmul per chunk (three head matmuls per step instea
 which matters where the head is a large share of the model (small models, 128k vocabularies).
 Without differentiation (eval) only the loss is computed.
 
-Shapes: x_BTD hidden states, w_DV head weights, targets_BT int32, mask_BT loss weights.
+Shapes: x_BTD hidden states, w_DV head weights, targets_BT int32, mask_BT loss weights. A tied
+head is passed as the embedding table itself, [V, D] with `vocab_axis=0`, and contracted as it
+is stored: its transposed copy, made once before the chunk loop, would hold V x D more bytes for
+the whole step (2.6 GiB for Gemma 3 27B's 262K-word table in bfloat16).
 """
 
 from __future__ import annotations
@@ -69,76 +72,95 @@ def _flat(x_BCX):
   return x_BCX.reshape(-1, x_BCX.shape[-1])
 
 
-def _head(x_BCD, w_DV):
+def _contract(a_NX, w, axis: int):
+  """a [N, X] times w over w's dim `axis` (the one of size X), float32: [N, w's other dim]."""
+  if axis == 0:
+    return jnp.dot(a_NX, w, preferred_element_type=jnp.float32)
+  return jax.lax.dot_general(a_NX, w, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+
+def _head(x_BCD, w, vocab_axis: int = 1):
   """float32 logits [B, C, V]. Matmuls here run on tokens flattened to one dim: the weight
   gradient then contracts one dim, not two, which XLA:CPU runs as a single GEMM."""
   b, c, _ = x_BCD.shape
-  logits_BCV = jnp.dot(_flat(x_BCD), w_DV, preferred_element_type=jnp.float32).reshape(b, c, -1)
+  logits_BCV = _contract(_flat(x_BCD), w, 1 - vocab_axis).reshape(b, c, -1)
   return shard(logits_BCV, ("act_batch", "act_length", "act_vocab"))
 
 
-def _chunk_loss(x_BCD, w_DV, targets_BC, mask_BC):
+def _chunk_loss(x_BCD, w, targets_BC, mask_BC, vocab_axis: int = 1):
   """(summed masked loss of the chunk, its float32 logits, their log-sum-exp)."""
-  logits_BCV = _head(x_BCD, w_DV)
+  logits_BCV = _head(x_BCD, w, vocab_axis)
   lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
   # A one-hot contraction rather than a gather: it stays local when V is sharded.
-  onehot_BCV = jax.nn.one_hot(targets_BC, w_DV.shape[1], dtype=jnp.float32)
+  onehot_BCV = jax.nn.one_hot(targets_BC, w.shape[vocab_axis], dtype=jnp.float32)
   target_logit_BC = jnp.sum(logits_BCV * onehot_BCV, axis=-1)
   return jnp.sum((lse_BC - target_logit_BC) * mask_BC), logits_BCV, lse_BC, onehot_BCV
 
 
-def _loss_sum(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
+def _loss_sum(x_BTD, w, targets_BT, mask_BT, chunk_size: int, vocab_axis: int):
   x_NBCD, targets_NBC, mask_NBC = _chunked(x_BTD, targets_BT, mask_BT, chunk_size)
 
   def body(total, xs):
-    return total + _chunk_loss(xs[0], w_DV, xs[1], xs[2])[0], None
+    return total + _chunk_loss(xs[0], w, xs[1], xs[2], vocab_axis)[0], None
 
   total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (x_NBCD, targets_NBC, mask_NBC))
   return total
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def cross_entropy_sum(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int,
-                      explicit_transpose_for_dw: bool = False):
-  """Sum over positions of mask * (next-token cross-entropy), float32.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def cross_entropy_sum(x_BTD, w, targets_BT, mask_BT, chunk_size: int,
+                      explicit_transpose_for_dw: bool = False, vocab_axis: int = 1):
+  """Sum over positions of mask * (next-token cross-entropy), float32. `w`: the head [D, V]
+  (`vocab_axis=1`) or a tied embedding table [V, D] (`vocab_axis=0`).
 
   `explicit_transpose_for_dw` (CPU): the head's weight gradient contracts a materialized x^T
   (peft.projection.transposed_input_matmul), which XLA:CPU runs faster.
   """
   del explicit_transpose_for_dw  # only the gradient depends on it
-  return _loss_sum(x_BTD, w_DV, targets_BT, mask_BT, chunk_size)
+  return _loss_sum(x_BTD, w, targets_BT, mask_BT, chunk_size, vocab_axis)
 
 
-def _fwd(x_BTD, w_DV, targets_BT, mask_BT, chunk_size, explicit_transpose_for_dw):
+def _weight_grad(x_ND, dlogits_NV, vocab_axis: int, explicit_transpose_for_dw: bool):
+  """The chunk's head gradient in the head's layout: x^T dlogits [D, V], or its transpose."""
+  if vocab_axis == 0:
+    return jnp.dot(dlogits_NV.T, x_ND, preferred_element_type=jnp.float32)
+  if explicit_transpose_for_dw:
+    return transposed_input_matmul(x_ND, dlogits_NV, preferred_element_type=jnp.float32)
+  return jnp.dot(x_ND.T, dlogits_NV, preferred_element_type=jnp.float32)
+
+
+def _fwd(x_BTD, w, targets_BT, mask_BT, chunk_size, explicit_transpose_for_dw, vocab_axis):
   b, t, d = x_BTD.shape
   x_NBCD, targets_NBC, mask_NBC = _chunked(x_BTD, targets_BT, mask_BT, chunk_size)
+  # The accumulator keeps the head's own sharding (vocab over tensor, embed over fsdp), so no
+  # device ever holds a whole float32 head.
+  w_names = ("embed", "vocab") if vocab_axis == 1 else ("vocab", "embed")
 
   def body(carry, xs):
-    total, dw_DV = carry
+    total, dw = carry
     x_BCD, targets_BC, mask_BC = xs
-    loss, logits_BCV, lse_BC, onehot_BCV = _chunk_loss(x_BCD, w_DV, targets_BC, mask_BC)
+    loss, logits_BCV, lse_BC, onehot_BCV = _chunk_loss(x_BCD, w, targets_BC, mask_BC, vocab_axis)
     dlogits_BCV = (jnp.exp(logits_BCV - lse_BC[..., None]) - onehot_BCV) * mask_BC[..., None]
-    dx_BCD = jnp.dot(_flat(dlogits_BCV).astype(w_DV.dtype), w_DV.T,
-                     preferred_element_type=jnp.float32).reshape(x_BCD.shape)
-    x_ND, dlogits_NV = _flat(x_BCD), _flat(dlogits_BCV).astype(x_BCD.dtype)
-    if explicit_transpose_for_dw:
-      dw_chunk_DV = transposed_input_matmul(x_ND, dlogits_NV, preferred_element_type=jnp.float32)
+    if vocab_axis == 1:
+      dx_ND = jnp.dot(_flat(dlogits_BCV).astype(w.dtype), w.T,
+                      preferred_element_type=jnp.float32)
     else:
-      dw_chunk_DV = jnp.dot(x_ND.T, dlogits_NV, preferred_element_type=jnp.float32)
-    dw_DV = dw_DV + dw_chunk_DV
-    # The accumulator keeps the head's own sharding (vocab over tensor, embed over fsdp), so
-    # no device ever holds a whole float32 [D, V].
-    dw_DV = shard(dw_DV, ("embed", "vocab"))
-    return (total + loss, dw_DV), dx_BCD.astype(x_BCD.dtype)
+      dx_ND = _contract(_flat(dlogits_BCV).astype(w.dtype), w, 0)
+    dx_BCD = dx_ND.reshape(x_BCD.shape)
+    x_ND, dlogits_NV = _flat(x_BCD), _flat(dlogits_BCV).astype(x_BCD.dtype)
+    dw = shard(dw + _weight_grad(x_ND, dlogits_NV, vocab_axis, explicit_transpose_for_dw),
+               w_names)
+    return (total + loss, dw), dx_BCD.astype(x_BCD.dtype)
 
-  init = (jnp.zeros((), jnp.float32), shard(jnp.zeros(w_DV.shape, jnp.float32), ("embed", "vocab")))
-  (total, dw_DV), dx_NBCD = jax.lax.scan(body, init, (x_NBCD, targets_NBC, mask_NBC))
+  init = (jnp.zeros((), jnp.float32), shard(jnp.zeros(w.shape, jnp.float32), w_names))
+  (total, dw), dx_NBCD = jax.lax.scan(body, init, (x_NBCD, targets_NBC, mask_NBC))
   dx_BTD = _unchunked(dx_NBCD, t)
-  return total, (dx_BTD, dw_DV.astype(w_DV.dtype))
+  return total, (dx_BTD, dw.astype(w.dtype))
 
 
-def _bwd(chunk_size, explicit_transpose_for_dw, residuals, g):
-  del chunk_size, explicit_transpose_for_dw
+def _bwd(chunk_size, explicit_transpose_for_dw, vocab_axis, residuals, g):
+  del chunk_size, explicit_transpose_for_dw, vocab_axis
   dx_BTD, dw_DV = residuals
   # Targets are integers and the mask is data: neither gets a gradient.
   return (g * dx_BTD).astype(dx_BTD.dtype), (g * dw_DV).astype(dw_DV.dtype), None, None
@@ -147,15 +169,16 @@ def _bwd(chunk_size, explicit_transpose_for_dw, residuals, g):
 cross_entropy_sum.defvjp(_fwd, _bwd)
 
 
-def chunked_cross_entropy(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int,
-                          explicit_transpose_for_dw: bool = False):
+def chunked_cross_entropy(x_BTD, w, targets_BT, mask_BT, chunk_size: int,
+                          explicit_transpose_for_dw: bool = False, vocab_axis: int = 1):
   """(sum of masked token losses, number of masked tokens), both float32."""
-  return (cross_entropy_sum(x_BTD, w_DV, targets_BT, mask_BT, chunk_size,
-                            explicit_transpose_for_dw),
+  return (cross_entropy_sum(x_BTD, w, targets_BT, mask_BT, chunk_size,
+                            explicit_transpose_for_dw, vocab_axis),
           jnp.sum(mask_BT.astype(jnp.float32)))
 
 
-def sequence_cross_entropy(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
+def sequence_cross_entropy(x_BTD, w, targets_BT, mask_BT, chunk_size: int,
+                           vocab_axis: int = 1):
   """[B] per-row sums of mask * cross-entropy, float32 (e.g. sequence log-probs for DPO).
 
   Per-row outputs get per-row cotangents, so dW cannot be formed in the forward pass as in
@@ -166,9 +189,9 @@ def sequence_cross_entropy(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
 
   @jax.checkpoint
   def chunk_rows(x_BCD, targets_BC, mask_BC):
-    logits_BCV = _head(x_BCD, w_DV)
+    logits_BCV = _head(x_BCD, w, vocab_axis)
     lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-    onehot_BCV = jax.nn.one_hot(targets_BC, w_DV.shape[1], dtype=jnp.float32)
+    onehot_BCV = jax.nn.one_hot(targets_BC, w.shape[vocab_axis], dtype=jnp.float32)
     target_logit_BC = jnp.sum(logits_BCV * onehot_BCV, axis=-1)
     return jnp.sum((lse_BC - target_logit_BC) * mask_BC, axis=-1)
 
@@ -180,7 +203,7 @@ def sequence_cross_entropy(x_BTD, w_DV, targets_BT, mask_BT, chunk_size: int):
   return total_B
 
 
-def token_cross_entropy(x_BTD, w_DV, targets_BT, chunk_size: int):
+def token_cross_entropy(x_BTD, w, targets_BT, chunk_size: int, vocab_axis: int = 1):
   """[B, T] float32 cross-entropy of every target token (e.g. GRPO's per-token log-probs).
 
   Chunked and rematerialized like `sequence_cross_entropy`: [B, C, V] float32 logits at a time.
@@ -190,9 +213,9 @@ def token_cross_entropy(x_BTD, w_DV, targets_BT, chunk_size: int):
 
   @jax.checkpoint
   def chunk_tokens(x_BCD, targets_BC):
-    logits_BCV = _head(x_BCD, w_DV)
+    logits_BCV = _head(x_BCD, w, vocab_axis)
     lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-    onehot_BCV = jax.nn.one_hot(targets_BC, w_DV.shape[1], dtype=jnp.float32)
+    onehot_BCV = jax.nn.one_hot(targets_BC, w.shape[vocab_axis], dtype=jnp.float32)
     return lse_BC - jnp.sum(logits_BCV * onehot_BCV, axis=-1)
 
   nll_NBC = jax.lax.map(lambda xs: chunk_tokens(*xs), (x_NBCD, targets_NBC))

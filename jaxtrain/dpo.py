@@ -41,8 +41,9 @@ def sequence_logprobs(model, input_ids_BT, attention_mask_BT, loss_mask_BT,
       "weights": shift((loss_mask_BT * attention_mask_BT).astype(jnp.float32))})
   kwargs = {} if dropout_key is None else {"dropout_key": dropout_key}  # LoRA dropout
   x_BTD = model.hidden_states(rows["inputs"], rows["positions"], rows["segment_ids"], **kwargs)
-  nll_B = sequence_cross_entropy(x_BTD, model.head_weights(), rows["targets"], rows["weights"],
-                                 chunk_size)
+  w, vocab_axis = model.head()
+  nll_B = sequence_cross_entropy(x_BTD, w, rows["targets"], rows["weights"], chunk_size,
+                                 vocab_axis)
   return -nll_B
 
 

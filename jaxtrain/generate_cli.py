@@ -12,7 +12,6 @@ config's `data.tokenizer`; BOS is prepended when the tokenizer has one.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 

@@ -92,7 +92,8 @@ def token_logprobs(model, batch, *, chunk_size: int = 512, dropout_key=None) -> 
   loss mask removes."""
   kwargs = {} if dropout_key is None else {"dropout_key": dropout_key}  # LoRA dropout
   x_BTD = model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"], **kwargs)
-  return -token_cross_entropy(x_BTD, model.head_weights(), batch["targets"], chunk_size)
+  w, vocab_axis = model.head()
+  return -token_cross_entropy(x_BTD, w, batch["targets"], chunk_size, vocab_axis)
 
 
 def in_layout(model, batch):

@@ -61,9 +61,9 @@ def loss_sum_fn(params, graphdef, batch: Batch, loss_chunk_size: int, frozen=Non
   model = merge_model(graphdef, params, frozen)
   batch = model.sequence_layout(batch)
   x_BTD = _hidden_states(model, batch, dropout_key)
-  return chunked_cross_entropy(x_BTD, model.head_weights(), batch["targets"],
-                               batch["loss_mask"], loss_chunk_size,
-                               model.cfg.runtime.explicit_transpose_for_dw)
+  w, vocab_axis = model.head()
+  return chunked_cross_entropy(x_BTD, w, batch["targets"], batch["loss_mask"], loss_chunk_size,
+                               model.cfg.runtime.explicit_transpose_for_dw, vocab_axis)
 
 
 def make_loss_sums(graphdef, *, objective="lm", loss_chunk_size: int = 512,

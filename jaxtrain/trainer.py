@@ -53,9 +53,7 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
       ("mesh", mesh_shape.describe()),
       ("parameters", f"{metrics_lib.format_count(metrics_lib.count_params(model_cfg.arch))} "
                      f"({metrics_lib.count_params(model_cfg.arch):,})"),
-      ("model", f"L={model_cfg.arch.num_layers} D={model_cfg.arch.d_model} H={model_cfg.arch.num_heads} "
-                f"K={model_cfg.arch.num_kv_heads} E={model_cfg.arch.head_dim} F={model_cfg.arch.mlp_dim} "
-                f"V={model_cfg.arch.vocab_size}"),
+      ("model", model_cfg.arch.describe()),
       ("global batch", f"{t.global_batch_size} seq × {t.seq_len} = {tokens:,} tokens"),
       ("per-device batch", f"{per_device:g} seq"
                            + (f" × 1/{mesh_shape.context} each" if mesh_shape.context > 1 else "")
@@ -68,19 +66,19 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
     rows.append(("pipeline", pipeline.describe(stages, model_cfg.arch.num_layers, micro, repeats,
                                                per_device)))
   if mesh_shape.context > 1:
-    layout = ("load-balanced (device i: chunks i and 2C-1-i)" if model_cfg.parallel.context_load_balance
-              else "contiguous parts")
+    layout = ("load-balanced (device i: chunks i and 2C-1-i)"
+              if model_cfg.parallel.context_load_balance else "contiguous parts")
     rows.append(("context", f"sequence split over {mesh_shape.context} devices "
                             f"({t.seq_len // mesh_shape.context:,} tokens each, {layout}); "
                             f"attention {model_cfg.parallel.context_parallel}"))
-  if model_cfg.peft.lora_rank:
+  if (adapters := model_cfg.peft).lora_rank:
     from jaxtrain import peft  # pylint: disable=import-outside-toplevel
     counts = peft.parameter_counts(model_cfg)
-    quant = ("" if model_cfg.peft.base_quant == "none" else
-             f", {metrics_lib.format_count(counts.quantized)} of them stored {model_cfg.peft.base_quant}"
-             f" (groups of {model_cfg.peft.quant_group_size})")
-    rows.append(("trained", f"LoRA rank {model_cfg.peft.lora_rank} (alpha {model_cfg.peft.lora_alpha:g}) "
-                            f"on {','.join(model_cfg.peft.lora_targets)}: {counts.trainable:,} adapter "
+    quant = ("" if adapters.base_quant == "none" else
+             f", {metrics_lib.format_count(counts.quantized)} of them stored "
+             f"{adapters.base_quant} (groups of {adapters.quant_group_size})")
+    rows.append(("trained", f"LoRA rank {adapters.lora_rank} (alpha {adapters.lora_alpha:g}) "
+                            f"on {','.join(adapters.lora_targets)}: {counts.trainable:,} adapter "
                             f"params ({100 * counts.trainable / counts.total:.2f}%)"))
     rows.append(("frozen base", f"{metrics_lib.format_count(counts.frozen_bytes)}B in "
                                 f"{model_cfg.runtime.param_dtype}{quant}"))
@@ -89,7 +87,8 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
     rows[-2:] = objective_rows
   rows += [
       ("FLOPs per token", f"{metrics_lib.format_count(flops_per_token)} "
-                          f"(6·N_matmul + 6·L·T·H·E{objective.flops_note()})"),
+                          f"(6·N_matmul + 6·L·T·H·E, windowed layers their window"
+                          f"{objective.flops_note()})"),
       ("peak FLOP/s", f"{metrics_lib.format_count(peak) if peak else 'n/a'} total; "
                       f"{peak_source}"),
       ("dtypes", f"params {model_cfg.runtime.param_dtype}, compute {model_cfg.runtime.dtype}"),

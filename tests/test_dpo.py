@@ -138,7 +138,6 @@ def test_grad_accumulation_equals_full_batch():
 def test_sequence_logprobs_under_context_parallelism_equal_one_device(strategy):
   """Inputs and their shifted targets go through the context layout together: the per-row
   log-probs of a context=4 x fsdp=2 model equal the one-device model's."""
-  import dataclasses  # pylint: disable=import-outside-toplevel
   mesh = mesh_of({"context": 4, "fsdp": 2})
   model = create_model(CFG.replace(context_parallel=strategy), mesh, seed=0)
   batch = _batch(seed=3, b=4, t=16)

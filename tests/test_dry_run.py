@@ -1,6 +1,5 @@
 """Dry run (AOT compile on abstract inputs), remat policies, optimizer-state dtype and offload."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

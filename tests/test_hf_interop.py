@@ -27,7 +27,7 @@ from jaxtrain import config_checks
 from jaxtrain.checkpoint import load_params
 from jaxtrain.interop import hf, hf_config, hf_weights
 from jaxtrain.interop.hf_config import HFFormatError
-from jaxtrain.model import ModelConfig
+from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import abstract_model
 from jaxtrain.train_step import loss_sum_fn
 from tests.helpers import mesh_of
@@ -188,7 +188,8 @@ def test_optional_fields_take_transformers_defaults():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("model_type", "mistral", r"model_type='mistral': unsupported"),
+    ("model_type", "falcon", r"model_type='falcon': unsupported; jaxtrain imports model_type "
+                             r"llama, qwen3, qwen2, mistral, gemma3_text, gemma3$"),
     ("hidden_act", "gelu", r"hidden_act='gelu': unsupported"),
     ("attention_bias", True, r"attention_bias=True: unsupported"),
     ("mlp_bias", True, r"mlp_bias=True: unsupported"),

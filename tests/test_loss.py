@@ -58,3 +58,37 @@ def test_large_vocab_temporaries_stay_below_full_logits():
   # Measured on CPU: 252 MiB fused and chunked (a few [B, chunk, V] buffers) vs 4008 MiB naive.
   assert chunked < full_logits / 2, (chunked, naive)
   assert chunked < naive / 8, (chunked, naive)
+
+
+def test_a_tied_table_is_contracted_as_stored():
+  """The head given as a [V, D] table (vocab_axis=0) gives the [D, V] head's loss and gradients
+  (the table's gradient transposed), for all three chunked losses."""
+  from jaxtrain.cross_entropy import sequence_cross_entropy, token_cross_entropy  # pylint: disable=import-outside-toplevel
+  x, w_DV, targets, mask = _inputs(3, 30, 16, 50)
+  w_VD = w_DV.T
+  losses = {
+      "sum": lambda w, axis: chunked_cross_entropy(x, w, targets, mask, 8, False, axis)[0],
+      "rows": lambda w, axis: jnp.sum(sequence_cross_entropy(x, w, targets, mask, 8, axis)),
+      "tokens": lambda w, axis: jnp.sum(token_cross_entropy(x, w, targets, 8, axis) * mask),
+  }
+  for name, loss in losses.items():
+    np.testing.assert_allclose(loss(w_VD, 0), loss(w_DV, 1), rtol=1e-6, err_msg=name)
+    g_VD = jax.grad(loss)(w_VD, 0)
+    np.testing.assert_allclose(g_VD.T, jax.grad(loss)(w_DV, 1), atol=1e-6, err_msg=name)
+
+
+def test_a_tied_table_is_not_copied_transposed():
+  """Compiled forward+backward with a frozen [V, D] table: contracted as stored, the step needs
+  at least the table's size less than with the table transposed first (measured on CPU: 12.7
+  against 29.4 MB for a 4 MiB table)."""
+  b, t, d, v, chunk = 1, 256, 64, 32768, 64
+  args = [jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16), jax.ShapeDtypeStruct((v, d), jnp.bfloat16),
+          jax.ShapeDtypeStruct((b, t), jnp.int32), jax.ShapeDtypeStruct((b, t), jnp.float32)]
+
+  def temp_bytes(loss):
+    grad = jax.grad(lambda x, w, tg, m: loss(x, w, tg, m)[0])  # x only: the table is frozen
+    return jax.jit(grad).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+  as_stored = temp_bytes(lambda x, w, tg, m: chunked_cross_entropy(x, w, tg, m, chunk, False, 0))
+  transposed = temp_bytes(lambda x, w, tg, m: chunked_cross_entropy(x, w.T, tg, m, chunk))
+  assert as_stored <= transposed - v * d * 2, (as_stored, transposed)

@@ -1,7 +1,6 @@
 """Tests for jaxtrain.model: shapes, causality, packing, scan/remat equivalence, sharding, RoPE."""
 
 import contextlib
-import dataclasses
 import functools
 import io
 import math

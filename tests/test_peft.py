@@ -1,7 +1,6 @@
 """LoRA / QLoRA at the model level: adapters, quantized base, dropout, state split, sharding."""
 
 import contextlib
-import dataclasses
 import functools
 import math
 import os

@@ -11,7 +11,8 @@ from tests.helpers import REPO, run_main
 
 SIZED_FOR_ACCELERATORS = ("llama3_1b", "llama3_3b", "llama8b", "llama70b", "llama405b",
                           "sft_lora_llama8b", "dpo_llama8b", "qlora_llama8b", "llama8b_128k",
-                          "grpo_llama8b")
+                          "grpo_llama8b", "qwen3_8b", "qwen3_32b", "mistral_7b", "gemma3_27b",
+                          "sft_lora_qwen3_8b", "qlora_gemma3_27b")
 
 
 def test_every_config_names_a_valid_target():

@@ -215,9 +215,7 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
       ("target", target.name if target is not None else "none (--dry_run_devices)"),
       ("compiled for", where),
       ("parameters", f"{metrics.format_count(metrics.count_params(cfg.arch))} "
-                     f"({metrics.count_params(cfg.arch):,}); L={cfg.arch.num_layers} D={cfg.arch.d_model} "
-                     f"H={cfg.arch.num_heads} K={cfg.arch.num_kv_heads} E={cfg.arch.head_dim} "
-                     f"F={cfg.arch.mlp_dim} V={cfg.arch.vocab_size}"),
+                     f"({metrics.count_params(cfg.arch):,}); {cfg.arch.describe()}"),
       ("mesh", m.mesh.describe()),
       ("batch", f"global {t.global_batch_size} seq × {t.seq_len}; per device "
                 f"{t.global_batch_size // shards} seq, "
@@ -243,8 +241,9 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
   exact_args = m.params + m.opt_device + m.opt_host + m.batch
   host = m.opt_host + m.act_host
   lines += [
-      "", "per-device memory" + (f" (each device holds one stage: {cfg.arch.num_layers // stages} "
-                                 f"of the {cfg.arch.num_layers} layers)" if stages > 1 else "") + ":",
+      "", "per-device memory" + (f" (each device holds one stage: "
+                                 f"{cfg.arch.num_layers // stages} of the {cfg.arch.num_layers} "
+                                 f"layers)" if stages > 1 else "") + ":",
       f"  parameters       {format_bytes(m.params):>11}  exact, from the shardings"
       + (f" (trained {format_bytes(m.params - m.frozen)}, frozen {format_bytes(m.frozen)})"
          if m.frozen else ""),

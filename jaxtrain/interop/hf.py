@@ -1,8 +1,13 @@
-"""Hugging Face Llama import/export: `load_model`, `save_model`, and the CLI around them.
+"""Hugging Face import/export of every model family: `load_model`, `save_model`, and the CLI
+around them.
 
-    model, config = load_model("Llama-3.2-1B/")        # config.json + *.safetensors
+    model, config = load_model("Qwen3-0.6B/")          # config.json + *.safetensors
     logits_BTV = model(input_ids_BT)                     # float32 [B, T, V]
-    save_model(model, config, "exported/")               # loads with LlamaForCausalLM
+    save_model(model, config, "exported/")               # loads with Qwen3ForCausalLM
+
+config.json's `model_type` picks the family (llama, qwen3, qwen2, mistral, gemma3_text, and the
+language model of a multimodal gemma3 checkpoint, whose vision tower is left out) and sets
+`model.family`; export writes the family's *ForCausalLM.
 
     python -m jaxtrain.interop.hf import --hf_dir=DIR --out=WEIGHTS_DIR [--dtype=bfloat16]
     python -m jaxtrain.interop.hf export --checkpoint=RUN_OR_WEIGHTS_DIR [--config=CONFIG.py]
@@ -12,14 +17,16 @@ Import goes straight into the sharded model: the abstract model gives every para
 and sharding, and each device's shard is read from the safetensors on its own (only the rows
 and columns it covers, layer by layer), sent to its device and dropped before the next is read,
 so host memory holds one shard at a time, never a whole checkpoint. Export gathers one tensor
-of one layer at a time and streams it into the file. The name and layout table is in
-hf_weights.py, the config.json mapping in hf_config.py.
+of one layer at a time and streams it into the file. The tensor names and layouts (rules
+generated from the family's switches) are in hf_weights.py, the config.json mapping in
+hf_config.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import sys
 from typing import Any
@@ -34,7 +41,8 @@ from jaxtrain.config import ConfigError, load_config_file
 from jaxtrain.interop import hf_config, hf_weights
 from jaxtrain.interop.hf_config import HFFormatError
 from jaxtrain.parallel.mesh import make_mesh
-from jaxtrain.model import Llama, ModelConfig
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.decoder import Decoder
 from jaxtrain.sharding import abstract_model
 
 DEFAULT_MAX_FILE_BYTES = 5 * 10**9  # what transformers' save_pretrained uses (5GB)
@@ -63,7 +71,7 @@ def _locate(cfg: ModelConfig, keys: tuple) -> tuple[hf_weights.TensorRule, int |
   table = _rule_table(cfg)
   if keys[0] != "layers":
     return table[keys], None, False
-  if cfg.scan_layers:
+  if cfg.runtime.scan_layers:
     return table[keys[1:]], None, True
   return table[keys[2:]], int(keys[1]), False
 
@@ -91,7 +99,7 @@ def _place(shape, sharding, dtype, read) -> jax.Array:
 
 
 def _fill_params(abstract_params, cfg: ModelConfig, reader: hf_weights.SafetensorsReader,
-                 prefix: str):
+                 naming: hf_weights.Naming):
   """Real arrays for the abstract params, every shard read from the safetensors on its own."""
   sizes = hf_weights.sizes_of(cfg)
 
@@ -100,7 +108,7 @@ def _fill_params(abstract_params, cfg: ModelConfig, reader: hf_weights.Safetenso
 
     def tensor(i):
       name = rule.hf_name.format(i=i) if rule.per_layer else rule.hf_name
-      return reader.get_slice(name.removeprefix("model.") if prefix == "" else name)
+      return reader.get_slice(naming.stored(name))
 
     def slices(index, shape):
       out = {}
@@ -112,7 +120,7 @@ def _fill_params(abstract_params, cfg: ModelConfig, reader: hf_weights.Safetenso
 
     def read(index):
       if stacked:  # leading layers axis: one HF tensor per layer, each cut the same way
-        start, stop, _ = index[0].indices(cfg.num_layers)
+        start, stop, _ = index[0].indices(cfg.arch.num_layers)
         cuts = slices(index[1:], leaf.shape[1:])
         # Filled in place: the shard plus one layer's block, never a list of blocks to stack.
         block = np.empty(leaf.sharding.shard_shape(leaf.shape), dtype)
@@ -141,8 +149,8 @@ def _check_divisible(abstract_params, mesh: Mesh) -> None:
 
 
 def load_model(path: str, *, mesh: Mesh | None = None,
-               dtype: str | None = None) -> tuple[Llama, ml_collections.ConfigDict]:
-  """(model, config) from a Hugging Face Llama directory.
+               dtype: str | None = None) -> tuple[Decoder, ml_collections.ConfigDict]:
+  """(model, config) from a Hugging Face directory of any supported family.
 
   Args:
     path: directory with config.json and model.safetensors (or model-*-of-*.safetensors with
@@ -165,7 +173,7 @@ def load_model(path: str, *, mesh: Mesh | None = None,
   return load_weights(path, config, mesh=mesh), config
 
 
-def load_weights(path: str, config, *, mesh: Mesh | None = None) -> Llama:
+def load_weights(path: str, config, *, mesh: Mesh | None = None) -> Decoder:
   """The model `config` describes, with its weights from a Hugging Face directory.
 
   For a config that differs from `load_model`'s only in how the model runs (scan_layers,
@@ -176,8 +184,8 @@ def load_weights(path: str, config, *, mesh: Mesh | None = None) -> Llama:
   graphdef, abstract_params, _ = abstract_model(cfg, mesh)
   _check_divisible(abstract_params, mesh)
   with hf_weights.SafetensorsReader(os.path.abspath(path)) as reader:
-    prefix = hf_weights.check_tensors(reader, cfg)
-    params = _fill_params(abstract_params, cfg, reader, prefix)
+    naming = hf_weights.check_tensors(reader, cfg)
+    params = _fill_params(abstract_params, cfg, reader, naming)
   return nnx.merge(graphdef, params)
 
 
@@ -211,7 +219,7 @@ def _pending_tensors(params: dict, cfg: ModelConfig, dtype: str) -> list[hf_weig
     def produce():
       if layer is None:
         x = _to_host(lookup(rule.ours))
-      elif cfg.scan_layers:
+      elif cfg.runtime.scan_layers:
         x = _to_host(_take_layer(lookup(("layers",) + rule.ours), layer))
       else:
         x = _to_host(lookup(("layers", layer) + rule.ours))
@@ -220,7 +228,7 @@ def _pending_tensors(params: dict, cfg: ModelConfig, dtype: str) -> list[hf_weig
     return hf_weights.PendingTensor(name, hf_weights.hf_shape(rule, sizes), dtype, produce)
 
   out = [pending(top["model.embed_tokens.weight"])]
-  out += [pending(r, i) for i in range(cfg.num_layers) for r in layer_rules]
+  out += [pending(r, i) for i in range(cfg.arch.num_layers) for r in layer_rules]
   out.append(pending(top["model.norm.weight"]))
   if "lm_head.weight" in top:
     out.append(pending(top["lm_head.weight"]))
@@ -261,13 +269,14 @@ def _prepare_dir(path: str, overwrite: bool) -> None:
     os.remove(os.path.join(path, name))
 
 
-def save_model(model: Llama, config, path: str, *, dtype: str | None = None,
+def save_model(model: Decoder, config, path: str, *, dtype: str | None = None,
                max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                rope_spelling: str = "rope_parameters", overwrite: bool = False) -> list[str]:
-  """Writes a transformers-loadable LlamaForCausalLM directory; returns the files written.
+  """Writes a directory transformers loads as the family's *ForCausalLM (LlamaForCausalLM,
+  Qwen3ForCausalLM, ..., Gemma3ForCausalLM); returns the files written.
 
   Args:
-    model: a (sharded) jaxtrain Llama; gathered one tensor of one layer at a time.
+    model: a (sharded) jaxtrain Decoder; gathered one tensor of one layer at a time.
     config: its jaxtrain config (model.* describe it; data.tokenizer, when it names a
       tokenizer file, is copied beside the weights, with tokenizer_config.json and friends).
     path: output directory; refused when it already holds weights, unless `overwrite`.
@@ -289,7 +298,8 @@ def save_model(model: Llama, config, path: str, *, dtype: str | None = None,
   dtype = dtype or str(np.dtype(params["embed_VD"].dtype))
   tok_files, tok = _tokenizer_files(config)
   # Ids the model cannot embed (the byte tokenizer's 256/257 beside a small vocab) are left out.
-  bos, eos = (i if i is not None and i < cfg.vocab_size else None for i in (tok.bos_id, tok.eos_id))
+  bos, eos = (i if i is not None and i < cfg.arch.vocab_size else None
+              for i in (tok.bos_id, tok.eos_id))
   hf = hf_config.from_jaxtrain_config(config, dtype=dtype, bos_id=bos, eos_id=eos,
                                       rope_spelling=rope_spelling)
   writer = jax.process_index() == 0
@@ -320,9 +330,9 @@ def save_model(model: Llama, config, path: str, *, dtype: str | None = None,
 def _host_mesh(cfg: ModelConfig) -> Mesh:
   """All local devices along fsdp when the model dim splits evenly over them, else one."""
   n = jax.local_device_count()
-  if n > 1 and cfg.d_model % n == 0:
+  if n > 1 and cfg.arch.d_model % n == 0:
     mesh = make_mesh({"fsdp": n}, jax.local_devices())
-    if cfg.base_quant == "none":
+    if cfg.peft.base_quant == "none":
       return mesh
     from jaxtrain import peft  # pylint: disable=import-outside-toplevel
     try:  # a QLoRA run's quantization groups must split evenly too
@@ -339,7 +349,8 @@ def _config_py(overrides: dict[str, Any], source: str, stored_dtype: str) -> str
   if "data.tokenizer" in overrides:
     lines.append('  c.data.tokenizer = "hf:" + os.path.join(HERE, "tokenizer.json")')
   body = "\n".join(lines)
-  return f'''"""jaxtrain config for the Llama weights in this directory.
+  family = overrides.get("model.family", "llama")
+  return f'''"""jaxtrain config for the {family} weights in this directory.
 
 Written by `python -m jaxtrain.interop.hf import` from
   {source}
@@ -392,7 +403,7 @@ def import_command(hf_dir: str, out: str, dtype: str = "float32") -> str:
                "overrides": {**overrides, "checkpoint.init_from": out}}, f, indent=2)
   with open(os.path.join(out, "config.py"), "w", encoding="utf-8") as f:
     f.write(_config_py(overrides, hf_dir, dtype))
-  flags = " ".join(f"--config.{k}={v}" for k, v in overrides.items())
+  flags = " ".join(f"--config.{k}={shlex.quote(str(v))}" for k, v in overrides.items())
   return (f"python -m jaxtrain.main --config={os.path.join(out, 'config.py')} "
           f"--workdir=runs/finetune\n# or, from another config file, the same values:\n"
           f"#   {flags} --config.checkpoint.init_from={out}")
@@ -423,7 +434,7 @@ def export_command(checkpoint: str, config_path: str | None, out: str, dtype: st
   # A run's checkpoint carries the resolved config it trained with (overrides included).
   config = ml_collections.ConfigDict(saved) if saved else load_config_file(config_path)
   cfg = ModelConfig.from_config(config)
-  # A LoRA run's adapters are merged into its base here: the export is a plain Llama.
+  # A LoRA run's adapters are merged into its base here: the export is the plain model.
   model, _ = load_plain_model(checkpoint, config, _host_mesh(cfg))
   return save_model(model, plain_run_config(config), out, dtype=dtype,
                     max_file_bytes=max_file_bytes, rope_spelling=rope_spelling,

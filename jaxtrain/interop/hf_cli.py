@@ -35,7 +35,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
   p = _Parser(prog="python -m jaxtrain.interop.hf",
-              description="Hugging Face Llama <-> jaxtrain weights.")
+              description="Hugging Face (Llama, Qwen3, Qwen2, Mistral, Gemma 3) <-> "
+                                  "jaxtrain weights.")
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
   imp = sub.add_parser("import", help="HF directory -> weights directory for "
                        "--config.checkpoint.init_from")

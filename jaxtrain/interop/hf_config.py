@@ -1,20 +1,35 @@
-"""Hugging Face Llama `config.json` <-> jaxtrain config, in both directions, with clear refusals.
+"""Hugging Face `config.json` <-> jaxtrain config, in both directions, for every model family,
+with clear refusals.
 
-Import reads every field that changes the forward pass and refuses what our model cannot run
-(biases, another activation, RoPE types other than plain and llama3, another architecture)
-rather than converting into a model that silently computes something else. RoPE parameters come
-in two spellings, both read here:
+`model_type` picks the family (jaxtrain/models/registry.py: llama, qwen3, qwen2, mistral,
+gemma3_text, and the text part of a multimodal gemma3 checkpoint, its `text_config`). Import
+reads every field that changes the forward pass and refuses, in one line naming the field and
+the supported values, what our decoder cannot run (another activation, biases the family has
+none of, RoPE types other than default, llama3 and linear, logit softcapping, bidirectional
+attention, partial rotary, quantized weights) rather than converting into a model that silently
+computes something else. RoPE parameters come in two spellings, both read here:
 
   transformers >= 5:  "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
                         "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 8192}
+                      Gemma 3: one entry per layer type, {"full_attention": {...},
+                        "sliding_attention": {...}}
   older files:        "rope_theta": 500000.0,
                       "rope_scaling": {"rope_type" (or "type"): "llama3", "factor": 8.0, ...}
+                      Gemma 3: rope_theta and rope_scaling for the full-attention layers,
+                        rope_local_base_freq for the sliding ones
 
-Export writes the transformers >= 5 spelling by default (what `save_pretrained` writes today) or
-the older one on request, for readers older than transformers 5, which ignore `rope_parameters`.
-Defaults for absent optional fields are transformers' `LlamaConfig` defaults, so a sparse file
-means here what it means there.
+Which layers attend within a sliding window is spelled per config class: Mistral's
+`sliding_window` covers every layer (null: none); Qwen2/Qwen3 mark layers from
+`max_window_layers` on when `use_sliding_window` is true, or list `layer_types`; Gemma 3 lists
+`layer_types` or gives the older `sliding_window_pattern` (every Nth layer full).
+
+Export writes what transformers loads for the family (its *ForCausalLM class and model_type, the
+fields its config class reads), in the transformers >= 5 spelling by default (what
+`save_pretrained` writes today) or the older one on request, for readers older than
+transformers 5, which ignore `rope_parameters`. Defaults for absent optional fields are
+transformers' config class defaults (the family's `hf_defaults`), so a sparse file means here
+what it means there.
 """
 
 from __future__ import annotations
@@ -26,22 +41,29 @@ from typing import Any
 import ml_collections
 
 from jaxtrain.config import ConfigError, default_config
+from jaxtrain.models import registry
+from jaxtrain.models.config import FULL, SLIDING, parse_layer_types
+from jaxtrain.models.features import Family
 
-# transformers' LlamaConfig defaults for optional fields.
-HF_DEFAULTS = {
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
+# Defaults every family's config class shares (the family's hf_defaults come on top).
+COMMON_DEFAULTS = {
+    "initializer_range": 0.02,
     "attention_bias": False,
     "mlp_bias": False,
-    "initializer_range": 0.02,
 }
 HF_DEFAULT_ROPE_THETA = 10000.0
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings")
+ROPE_TYPES = ("default", "llama3", "linear")
+# Hugging Face layer types <-> ours.
+HF_LAYER_TYPES = {"full_attention": FULL, "sliding_attention": SLIDING}
+OUR_LAYER_TYPES = {ours: theirs for theirs, ours in HF_LAYER_TYPES.items()}
+# Features.mlp_activation -> (the hidden_act transformers names it by, the MLP's name).
+HF_ACTIVATIONS = {"silu": ("silu", "SwiGLU"), "gelu_tanh": ("gelu_pytorch_tanh", "GeGLU")}
+# Fields that change the forward pass when set and that no family here implements.
+SOFTCAPPING_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping")
 # Our dtype names <-> the names config.json uses (torch's, without the "torch." prefix).
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_SPELLINGS = ("rope_parameters", "rope_scaling")
@@ -76,44 +98,44 @@ def _field(hf: dict, key: str, default: Any = None) -> Any:
   return default if value is None else value
 
 
-def _rope(hf: dict) -> tuple[float, dict[str, Any] | None]:
-  """(theta, llama3 scaling dict or None) from either spelling."""
-  params, spelling = hf.get("rope_parameters"), "rope_parameters"
-  legacy = hf.get("rope_scaling")
-  if params is None:
-    params, spelling = legacy, "rope_scaling"
-  elif legacy is not None and _rope_without_theta(legacy) != _rope_without_theta(params):
-    # transformers 5 would let rope_scaling win; a file saying two things is better refused.
-    raise HFFormatError(f"config.json rope_scaling={legacy!r} and rope_parameters={params!r}: "
-                        f"they disagree; keep one of them")
-  if params is not None and not isinstance(params, dict):
-    raise HFFormatError(f"config.json {spelling}={params!r}: expected an object")
-  params = params or {}
-  if any(isinstance(v, dict) for v in params.values()):
-    raise HFFormatError(f"config.json {spelling}={params!r}: RoPE parameters per layer type are "
-                        f"not a Llama feature; jaxtrain uses one RoPE for all layers")
-  theta = params.get("rope_theta", _field(hf, "rope_theta", HF_DEFAULT_ROPE_THETA))
-  rope_type = params.get("rope_type", params.get("type", "default"))
-  partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-  if partial is not None and float(partial) != 1.0:
-    raise HFFormatError(f"config.json partial_rotary_factor={partial}: unsupported; jaxtrain "
-                        f"rotates the whole head dim (1.0)")
-  if rope_type == "default":
-    return float(theta), None
-  if rope_type != "llama3":
-    raise HFFormatError(f"config.json {spelling}.rope_type={rope_type!r}: unsupported; jaxtrain "
-                        f"implements 'default' and 'llama3' RoPE")
-  scaling = {}
-  for key in LLAMA3_KEYS:
-    value = params.get(key)
-    if value is None and key == "original_max_position_embeddings":
-      # What transformers assumes when a llama3 config leaves it out.
-      value = _field(hf, "max_position_embeddings", HF_DEFAULTS["max_position_embeddings"])
-    if value is None:
-      raise HFFormatError(f"config.json {spelling}.{key}: missing; llama3 RoPE needs "
-                          f"{', '.join(LLAMA3_KEYS)}")
-    scaling[key] = value
-  return float(theta), scaling
+def family_of(hf: dict) -> Family:
+  """The family whose model_type config.json names; HFFormatError listing them otherwise."""
+  model_type = hf.get("model_type")
+  family = registry.for_hf_model_type(model_type)
+  if family is None:
+    raise HFFormatError(f"config.json model_type={model_type!r}: unsupported; jaxtrain imports "
+                        f"model_type {', '.join(registry.hf_model_types())}")
+  return family
+
+
+def text_config(hf: dict) -> dict[str, Any]:
+  """The decoder's part of config.json: itself, or a multimodal checkpoint's `text_config`
+  (model_type gemma3), with the storage dtype and tying of the whole checkpoint where the text
+  config leaves them out."""
+  if hf.get("model_type") != "gemma3":
+    return hf
+  text = hf.get("text_config")
+  if text is None:
+    text = {}  # transformers: Gemma3TextConfig's defaults
+  if not isinstance(text, dict):
+    raise HFFormatError(f"config.json text_config={text!r}: expected an object")
+  inner = text.get("model_type", "gemma3_text")
+  if inner != "gemma3_text":
+    raise HFFormatError(f"config.json text_config.model_type={inner!r}: unsupported; a gemma3 "
+                        f"checkpoint's text model is 'gemma3_text'")
+  text = dict(text, model_type="gemma3_text")
+  for key in ("dtype", "torch_dtype", "tie_word_embeddings", "quantization_config"):
+    if key in hf and key not in text:
+      text[key] = hf[key]
+  return text
+
+
+def defaults_of(family: Family) -> dict[str, Any]:
+  """transformers' defaults for the optional fields of the family's config class."""
+  return {**COMMON_DEFAULTS, **family.hf_defaults}
+
+
+# --- RoPE ----------------------------------------------------------------------------------------
 
 
 def _rope_without_theta(params) -> dict | None:
@@ -125,23 +147,197 @@ def _rope_without_theta(params) -> dict | None:
   return out
 
 
-def _check_supported(hf: dict) -> None:
-  model_type = hf.get("model_type")
-  if model_type != "llama":
-    raise HFFormatError(f"config.json model_type={model_type!r}: unsupported; jaxtrain imports "
-                        f"Llama models (model_type 'llama')")
-  act = _field(hf, "hidden_act", HF_DEFAULTS["hidden_act"])
-  if act != "silu":
-    raise HFFormatError(f"config.json hidden_act={act!r}: unsupported; jaxtrain's MLP is SwiGLU "
-                        f"('silu')")
-  for key in ("attention_bias", "mlp_bias"):
-    if _field(hf, key, False):
-      raise HFFormatError(f"config.json {key}={hf[key]!r}: unsupported; jaxtrain's projections "
-                          f"have no bias")
-  missing = [k for k in REQUIRED_FIELDS if hf.get(k) is None]
+def _check_partial(value) -> None:
+  if value is not None and float(value) != 1.0:
+    raise HFFormatError(f"config.json partial_rotary_factor={value}: unsupported; jaxtrain "
+                        f"rotates the whole head dim (1.0)")
+
+
+def _rope_entry(params: dict, where: str, theta: float, max_positions: int
+                ) -> tuple[float, dict[str, Any] | None]:
+  """(theta, scaling dict with "type", or None) of one RoPE dict; `where` names it."""
+  if not isinstance(params, dict):
+    raise HFFormatError(f"config.json {where}={params!r}: expected an object")
+  theta = params.get("rope_theta", theta)
+  rope_type = params.get("rope_type", params.get("type", "default"))
+  _check_partial(params.get("partial_rotary_factor"))
+  if rope_type == "default":
+    return float(theta), None
+  if rope_type not in ROPE_TYPES:
+    raise HFFormatError(f"config.json {where}.rope_type={rope_type!r}: unsupported; jaxtrain "
+                        f"implements {', '.join(repr(t) for t in ROPE_TYPES)} RoPE")
+  keys = LLAMA3_KEYS if rope_type == "llama3" else ("factor",)
+  scaling = {"type": rope_type}
+  for key in keys:
+    value = params.get(key)
+    if value is None and key == "original_max_position_embeddings":
+      value = max_positions  # what transformers assumes when a llama3 config leaves it out
+    if value is None:
+      raise HFFormatError(f"config.json {where}.{key}: missing; {rope_type} RoPE needs "
+                          f"{', '.join(keys)}")
+    scaling[key] = value
+  if float(scaling["factor"]) <= 0:
+    raise HFFormatError(f"config.json {where}.factor={scaling['factor']}: must be positive")
+  return float(theta), scaling
+
+
+def _rope(hf: dict, family: Family, defaults: dict, max_positions: int
+          ) -> tuple[float, dict[str, Any] | None, float]:
+  """(theta, scaling or None, local theta or 0) from either spelling."""
+  _check_partial(hf.get("partial_rotary_factor"))
+  params, spelling = hf.get("rope_parameters"), "rope_parameters"
+  legacy = hf.get("rope_scaling")
+  per_type = "rope_local_base_freq" in defaults  # Gemma 3: a RoPE per layer type
+  if params is not None and not isinstance(params, dict):
+    raise HFFormatError(f"config.json rope_parameters={params!r}: expected an object")
+  if legacy is not None and not isinstance(legacy, dict):
+    raise HFFormatError(f"config.json rope_scaling={legacy!r}: expected an object")
+  nested = params is not None and any(isinstance(v, dict) for v in params.values())
+  theta = _field(hf, "rope_theta", defaults.get("rope_theta", HF_DEFAULT_ROPE_THETA))
+  if not per_type:
+    if nested:
+      typed = [f.name for f in registry.FAMILIES.values()
+               if "rope_local_base_freq" in f.hf_defaults]
+      raise HFFormatError(f"config.json rope_parameters={params!r}: RoPE parameters per layer "
+                          f"type are not a {family.name} feature; jaxtrain reads them for "
+                          f"{', '.join(typed)}")
+    if params is None:
+      params, spelling = legacy, "rope_scaling"
+    elif legacy is not None and _rope_without_theta(legacy) != _rope_without_theta(params):
+      # transformers 5 would let rope_scaling win; a file saying two things is better refused.
+      raise HFFormatError(f"config.json rope_scaling={legacy!r} and rope_parameters={params!r}: "
+                          f"they disagree; keep one of them")
+    theta, scaling = _rope_entry(params or {}, spelling, theta, max_positions)
+    return theta, scaling, 0.0
+  # Gemma 3, as Gemma3TextConfig.convert_rope_params_to_dict reads it.
+  if params is not None:
+    unknown = sorted(set(params) - set(HF_LAYER_TYPES))
+    if unknown or not nested:
+      raise HFFormatError(f"config.json rope_parameters={params!r}: {family.name} expects one "
+                          f"entry per layer type ({', '.join(HF_LAYER_TYPES)})")
+  params = params or {}
+  full = params.get("full_attention") or {}
+  if legacy is not None:
+    if params.get("full_attention") and (_rope_without_theta(legacy)
+                                         != _rope_without_theta(full)):
+      raise HFFormatError(f"config.json rope_scaling={legacy!r} and "
+                          f"rope_parameters.full_attention={full!r}: they disagree; keep one of "
+                          f"them")
+    full = {**full, **legacy}
+  where = "rope_parameters.full_attention" if params.get("full_attention") else "rope_scaling"
+  theta, scaling = _rope_entry(full, where, theta, max_positions)
+  local = _field(hf, "rope_local_base_freq", defaults["rope_local_base_freq"])
+  local, local_scaling = _rope_entry(params.get("sliding_attention") or {},
+                                     "rope_parameters.sliding_attention", local, max_positions)
+  if local_scaling is not None:
+    raise HFFormatError(f"config.json rope_parameters.sliding_attention.rope_type="
+                        f"{local_scaling['type']!r}: unsupported; jaxtrain's sliding layers use "
+                        f"plain RoPE ('default')")
+  return theta, scaling, local
+
+
+# --- sliding window ---------------------------------------------------------------------------
+
+
+def _window_value(hf: dict, defaults: dict) -> int | None:
+  """config.json's sliding_window: null means none (not the default), absent the default."""
+  window = hf["sliding_window"] if "sliding_window" in hf else defaults.get("sliding_window")
+  if window is None:
+    return None
+  if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+    raise HFFormatError(f"config.json sliding_window={window!r}: expected a positive integer "
+                        f"or null")
+  return window
+
+
+def _hf_layer_types(hf: dict, num_layers: int) -> list[str] | None:
+  types = hf.get("layer_types")
+  if types is None:
+    return None
+  if not isinstance(types, list) or len(types) != num_layers:
+    raise HFFormatError(f"config.json layer_types={types!r}: expected a list of "
+                        f"num_hidden_layers={num_layers} layer types")
+  for i, t in enumerate(types):
+    if t not in HF_LAYER_TYPES:
+      raise HFFormatError(f"config.json layer_types[{i}]={t!r}: unsupported; jaxtrain implements "
+                          f"{', '.join(repr(k) for k in HF_LAYER_TYPES)}")
+  return types
+
+
+def pattern_layer_types(pattern: int, num_layers: int) -> list[str]:
+  """Gemma 3's sliding_window_pattern: every `pattern`-th layer full, the others sliding."""
+  return ["sliding_attention" if (i + 1) % pattern else "full_attention"
+          for i in range(num_layers)]
+
+
+def _sliding(hf: dict, family: Family, defaults: dict, num_layers: int
+             ) -> tuple[int, str]:
+  """(model.sliding_window, model.layer_types) as the family's config class reads its fields."""
+  scheme = family.hf_window
+  if scheme == "none":
+    return 0, ""
+  window = _window_value(hf, defaults)
+  if scheme == "every":
+    return (window or 0), ""
+  if scheme == "qwen":
+    if not _field(hf, "use_sliding_window", defaults["use_sliding_window"]):
+      window = None  # Qwen2Config: no window unless use_sliding_window
+    types = _hf_layer_types(hf, num_layers)
+    if types is None:
+      first = int(_field(hf, "max_window_layers", defaults["max_window_layers"]))
+      types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+               for i in range(num_layers)]
+  else:  # "typed"
+    types = _hf_layer_types(hf, num_layers)
+    if types is None:
+      pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern"))
+      pattern = defaults["sliding_window_pattern"] if pattern is None else pattern
+      if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
+        raise HFFormatError(f"config.json sliding_window_pattern={pattern!r}: expected a "
+                            f"positive integer")
+      types = pattern_layer_types(pattern, num_layers)
+  sliding = [t == "sliding_attention" and window is not None for t in types]
+  if not any(sliding):
+    return 0, ""
+  if all(sliding):
+    return window, ""
+  return window, ",".join(SLIDING if s else FULL for s in sliding)
+
+
+# --- import -----------------------------------------------------------------------------------
+
+
+def _check_supported(hf: dict, family: Family, defaults: dict) -> None:
+  """Refuses the fields that change the forward pass and that jaxtrain does not implement."""
+  act_key = "hidden_activation" if "hidden_activation" in defaults else "hidden_act"
+  want_act, mlp_name = HF_ACTIVATIONS[family.features.mlp_activation]
+  act = _field(hf, act_key, want_act)
+  if act != want_act:
+    raise HFFormatError(f"config.json {act_key}={act!r}: unsupported; jaxtrain's {family.name} "
+                        f"MLP is {mlp_name} ({want_act!r})")
+  if _field(hf, "attention_bias", False) and not family.features.qkv_bias:
+    raise HFFormatError(f"config.json attention_bias={hf['attention_bias']!r}: unsupported; "
+                        f"jaxtrain's {family.name} attention has no bias (false)")
+  if _field(hf, "mlp_bias", False):
+    raise HFFormatError(f"config.json mlp_bias={hf['mlp_bias']!r}: unsupported; jaxtrain's MLP "
+                        f"has no bias (false)")
+  for key in SOFTCAPPING_FIELDS:
+    if hf.get(key) is not None:
+      raise HFFormatError(f"config.json {key}={hf[key]!r}: unsupported; jaxtrain implements no "
+                          f"logit softcapping (null)")
+  if hf.get("use_bidirectional_attention"):
+    raise HFFormatError(f"config.json use_bidirectional_attention="
+                        f"{hf['use_bidirectional_attention']!r}: unsupported; jaxtrain's "
+                        f"attention is causal (false)")
+  quant = hf.get("quantization_config")
+  if quant is not None:
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    raise HFFormatError(f"config.json quantization_config (quant_method {method!r}): "
+                        f"unsupported; jaxtrain imports unquantized {', '.join(DTYPES)} weights")
+  missing = [k for k in REQUIRED_FIELDS if hf.get(k) is None and k not in defaults]
   if missing:
-    raise HFFormatError(f"config.json {missing[0]}: missing; a Llama config needs "
-                        f"{', '.join(REQUIRED_FIELDS)}")
+    raise HFFormatError(f"config.json {missing[0]}: missing; a {family.name} config needs "
+                        f"{', '.join(k for k in REQUIRED_FIELDS if k not in defaults)}")
   dtype = hf_dtype(hf)
   if dtype is not None and dtype not in DTYPES:
     raise HFFormatError(f"config.json dtype={dtype!r}: unsupported; expected one of "
@@ -150,6 +346,7 @@ def _check_supported(hf: dict) -> None:
 
 def hf_dtype(hf: dict) -> str | None:
   """The checkpoint's storage dtype as config.json names it ("dtype", or older "torch_dtype")."""
+  hf = text_config(hf) if hf.get("model_type") == "gemma3" else hf
   dtype = hf.get("dtype", hf.get("torch_dtype"))
   return dtype.removeprefix("torch.") if isinstance(dtype, str) else dtype
 
@@ -157,13 +354,24 @@ def hf_dtype(hf: dict) -> str | None:
 def model_overrides(hf: dict) -> dict[str, Any]:
   """{"model.KEY": value} for every model.* key a config.json determines.
 
-  Raises HFFormatError naming the field and value for anything our Llama cannot reproduce.
+  Raises HFFormatError naming the field and value for anything our decoder cannot reproduce.
   """
-  _check_supported(hf)
-  heads = int(hf["num_attention_heads"])
-  hidden = int(hf["hidden_size"])
-  kv_heads = int(_field(hf, "num_key_value_heads", heads))
-  head_dim = hf.get("head_dim")
+  family = family_of(hf)
+  hf = text_config(hf)
+  defaults = defaults_of(family)
+  _check_supported(hf, family, defaults)
+
+  def get(key):
+    return _field(hf, key, defaults.get(key))
+
+  heads = int(get("num_attention_heads"))
+  hidden = int(get("hidden_size"))
+  # Absent: the class default; null: as many as the query heads (what every class does).
+  kv_heads = hf["num_key_value_heads"] if "num_key_value_heads" in hf else defaults.get(
+      "num_key_value_heads")
+  kv_heads = heads if kv_heads is None else int(kv_heads)
+  num_layers = int(get("num_hidden_layers"))
+  head_dim = get("head_dim")
   if head_dim is None:
     if hidden % heads:
       raise HFFormatError(f"config.json hidden_size={hidden}: not divisible by "
@@ -174,26 +382,37 @@ def model_overrides(hf: dict) -> dict[str, Any]:
                         f"num_attention_heads={heads}")
   if int(head_dim) % 2:
     raise HFFormatError(f"config.json head_dim={head_dim}: must be even for rotary embeddings")
-  theta, scaling = _rope(hf)
+  max_positions = int(get("max_position_embeddings"))
+  theta, scaling, local_theta = _rope(hf, family, defaults, max_positions)
+  window, layer_types = _sliding(hf, family, defaults, num_layers)
+  query_scalar = 0.0
+  if "query_pre_attn_scalar" in defaults:
+    query_scalar = float(get("query_pre_attn_scalar"))
+    if query_scalar <= 0:
+      raise HFFormatError(f"config.json query_pre_attn_scalar={query_scalar}: must be positive")
   out = {
-      "model.vocab_size": int(hf["vocab_size"]),
-      "model.num_layers": int(hf["num_hidden_layers"]),
+      "model.family": family.name,
+      "model.vocab_size": int(get("vocab_size")),
+      "model.num_layers": num_layers,
       "model.d_model": hidden,
       "model.num_heads": heads,
       "model.num_kv_heads": kv_heads,
       "model.head_dim": int(head_dim),
-      "model.mlp_dim": int(hf["intermediate_size"]),
-      "model.norm_eps": float(_field(hf, "rms_norm_eps", HF_DEFAULTS["rms_norm_eps"])),
+      "model.mlp_dim": int(get("intermediate_size")),
+      "model.norm_eps": float(get("rms_norm_eps")),
       "model.rope_theta": theta,
-      "model.rope_scaling.type": "llama3" if scaling else "none",
-      "model.max_position_embeddings": int(_field(hf, "max_position_embeddings",
-                                                  HF_DEFAULTS["max_position_embeddings"])),
-      "model.tie_embeddings": bool(_field(hf, "tie_word_embeddings",
-                                          HF_DEFAULTS["tie_word_embeddings"])),
-      "model.init_std": float(_field(hf, "initializer_range", HF_DEFAULTS["initializer_range"])),
+      "model.rope_scaling.type": scaling["type"] if scaling else "none",
+      "model.max_position_embeddings": max_positions,
+      "model.tie_embeddings": bool(get("tie_word_embeddings")),
+      "model.init_std": float(get("initializer_range")),
+      "model.sliding_window": window,
+      "model.layer_types": layer_types,
+      "model.local_rope_theta": local_theta,
+      "model.query_pre_attn_scalar": query_scalar,
   }
   if scaling:
     out["model.rope_scaling.factor"] = float(scaling["factor"])
+  if scaling and scaling["type"] == "llama3":
     out["model.rope_scaling.low_freq_factor"] = float(scaling["low_freq_factor"])
     out["model.rope_scaling.high_freq_factor"] = float(scaling["high_freq_factor"])
     out["model.rope_scaling.original_max_position_embeddings"] = int(
@@ -239,30 +458,93 @@ def to_jaxtrain_config(hf: dict, directory: str,
   return config
 
 
+# --- export -----------------------------------------------------------------------------------
+
+
+def _rope_dict(m) -> dict[str, Any]:
+  """config.model's (full layers') RoPE scaling as Hugging Face spells it."""
+  rs = m.rope_scaling
+  if rs.type == "llama3":
+    return {"rope_type": "llama3", "factor": float(rs.factor),
+            "low_freq_factor": float(rs.low_freq_factor),
+            "high_freq_factor": float(rs.high_freq_factor),
+            "original_max_position_embeddings": int(rs.original_max_position_embeddings)}
+  if rs.type == "linear":
+    return {"rope_type": "linear", "factor": float(rs.factor)}
+  return {"rope_type": "default"}
+
+
+def _sliding_flags(m) -> list[bool]:
+  types = parse_layer_types(m.layer_types)
+  if not m.sliding_window:
+    return [False] * m.num_layers
+  if not types:
+    return [True] * m.num_layers
+  return [t == SLIDING for t in types]
+
+
+def _check_expressible(m, family: Family, sliding: list[bool]) -> None:
+  """Refuses export of a model whose math the family's config class cannot express."""
+  defaults = defaults_of(family)
+  if "query_pre_attn_scalar" not in defaults and m.query_pre_attn_scalar and (
+      m.query_pre_attn_scalar != m.head_dim):
+    raise HFFormatError(f"model.query_pre_attn_scalar={m.query_pre_attn_scalar}: "
+                        f"{family.hf_architecture} has no query_pre_attn_scalar; export needs 0 "
+                        f"(head_dim) for model.family={family.name!r}")
+  if ("rope_local_base_freq" not in defaults and m.local_rope_theta and any(sliding)
+      and (m.local_rope_theta != m.rope_theta or m.rope_scaling.type != "none")):
+    raise HFFormatError(f"model.local_rope_theta={m.local_rope_theta}: {family.hf_architecture} "
+                        f"has one RoPE for all layers; export needs 0 for "
+                        f"model.family={family.name!r}")
+  scheme = family.hf_window
+  if scheme == "none" and any(sliding):
+    raise HFFormatError(f"model.sliding_window={m.sliding_window}: {family.hf_architecture} has "
+                        f"no sliding window; export needs 0 for model.family={family.name!r}")
+  if scheme == "every" and any(sliding) and not all(sliding):
+    raise HFFormatError(f"model.layer_types={m.layer_types!r}: {family.hf_architecture} applies "
+                        f"sliding_window to every layer; export needs every layer alike")
+
+
+def _export_window(m, family: Family, sliding: list[bool]) -> dict[str, Any]:
+  """The sliding-window fields of the family's config class."""
+  scheme = family.hf_window
+  window = int(m.sliding_window) if any(sliding) else None
+  types = [OUR_LAYER_TYPES[SLIDING if s else FULL] for s in sliding]
+  if scheme == "every":
+    return {"sliding_window": window}
+  if scheme == "qwen":
+    leading_full = next((i for i, s in enumerate(sliding) if s), len(sliding))
+    return {"use_sliding_window": window is not None, "sliding_window": window,
+            "max_window_layers": leading_full, "layer_types": types}
+  if scheme == "typed":
+    # Gemma3TextConfig builds its sliding mask whatever the layer types: keep a window there.
+    return {"sliding_window": window or int(defaults_of(family)["sliding_window"]),
+            "layer_types": types}
+  return {}
+
+
 def from_jaxtrain_config(config, *, dtype: str, bos_id: int | None = None,
                          eos_id: int | None = None,
                          rope_spelling: str = "rope_parameters") -> dict[str, Any]:
-  """A transformers-loadable LlamaForCausalLM config.json (as a dict) for `config.model`."""
+  """A config.json (as a dict) that transformers loads as the family's *ForCausalLM."""
   m = config.model
+  family = registry.get(m.family)
   if dtype not in DTYPES:
     raise HFFormatError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)}")
   if rope_spelling not in ROPE_SPELLINGS:
     raise HFFormatError(f"rope_spelling={rope_spelling!r}: choose one of "
                         f"{', '.join(ROPE_SPELLINGS)}")
   if m.d_model % m.num_heads:
-    # transformers' LlamaConfig validation refuses this even when head_dim is given.
+    # transformers' config validation refuses this even when head_dim is given.
     raise HFFormatError(f"model.d_model={m.d_model}: transformers requires hidden_size to be "
                         f"divisible by num_attention_heads={m.num_heads}")
-  rope: dict[str, Any] = {"rope_type": "default"}
-  if m.rope_scaling.type == "llama3":
-    rs = m.rope_scaling
-    rope = {"rope_type": "llama3", "factor": float(rs.factor),
-            "low_freq_factor": float(rs.low_freq_factor),
-            "high_freq_factor": float(rs.high_freq_factor),
-            "original_max_position_embeddings": int(rs.original_max_position_embeddings)}
+  defaults = defaults_of(family)
+  sliding = _sliding_flags(m)
+  _check_expressible(m, family, sliding)
+  act_key = "hidden_activation" if "hidden_activation" in defaults else "hidden_act"
   hf = {
-      "architectures": ["LlamaForCausalLM"],
-      "model_type": "llama",
+      "architectures": [family.hf_architecture],
+      "model_type": family.hf_model_types[0],
       "vocab_size": int(m.vocab_size),
       "hidden_size": int(m.d_model),
       "intermediate_size": int(m.mlp_dim),
@@ -270,25 +552,47 @@ def from_jaxtrain_config(config, *, dtype: str, bos_id: int | None = None,
       "num_attention_heads": int(m.num_heads),
       "num_key_value_heads": int(m.num_kv_heads),
       "head_dim": int(m.head_dim),
-      "hidden_act": "silu",
+      act_key: HF_ACTIVATIONS[family.features.mlp_activation][0],
       "max_position_embeddings": int(m.max_position_embeddings),
       "initializer_range": float(m.init_std),
       "rms_norm_eps": float(m.norm_eps),
       "tie_word_embeddings": bool(m.tie_embeddings),
-      "attention_bias": False,
+      **family.hf_export_fields,
       "attention_dropout": 0.0,
-      "mlp_bias": False,
-      "pretraining_tp": 1,
       "use_cache": True,
       "bos_token_id": bos_id,
       "eos_token_id": eos_id,
       "pad_token_id": None,
   }
+  if "query_pre_attn_scalar" in defaults:
+    scalar = float(m.query_pre_attn_scalar or m.head_dim)
+    hf["query_pre_attn_scalar"] = int(scalar) if scalar.is_integer() else scalar
+  hf.update(_export_window(m, family, sliding))
+  rope = _rope_dict(m)
+  per_type = "rope_local_base_freq" in defaults
+  local = float(m.local_rope_theta)
   if rope_spelling == "rope_parameters":
-    hf["rope_parameters"] = {**rope, "rope_theta": float(m.rope_theta)}
+    full = {**rope, "rope_theta": float(m.rope_theta)}
+    if per_type:  # sliding layers: their own plain RoPE, or the full layers' one
+      hf["rope_parameters"] = {
+          "full_attention": full,
+          "sliding_attention": ({"rope_type": "default", "rope_theta": local} if local
+                                else dict(full))}
+    else:
+      hf["rope_parameters"] = full
     hf["dtype"] = dtype
   else:
     hf["rope_theta"] = float(m.rope_theta)
     hf["rope_scaling"] = rope if rope["rope_type"] != "default" else None
+    if per_type:
+      if not local and rope["rope_type"] != "default" and any(sliding):
+        raise HFFormatError("rope_spelling='rope_scaling': cannot give sliding layers the full "
+                            "layers' scaled RoPE (model.local_rope_theta=0); export with "
+                            "rope_spelling='rope_parameters'")
+      hf["rope_local_base_freq"] = local or float(m.rope_theta)
+      for pattern in range(1, m.num_layers + 2):
+        if pattern_layer_types(pattern, m.num_layers) == hf["layer_types"]:
+          hf["sliding_window_pattern"] = pattern  # for readers older than layer_types
+          break
     hf["torch_dtype"] = dtype
   return hf

@@ -1,5 +1,11 @@
-"""Hugging Face Llama tensors <-> jaxtrain parameters: the name/layout table, slice-wise reading
-of safetensors, and a streaming safetensors writer.
+"""Hugging Face tensors <-> jaxtrain parameters: the name/layout rules of every family,
+slice-wise reading of safetensors, and a streaming safetensors writer.
+
+The rules are generated from the family's Features switches (models/features.py), never from a
+table per family: the Llama rules, plus the q/k/v biases with `qkv_bias`, the per-head q/k norms
+with `qk_norm`, and with `sandwich_norms` Gemma's four norms per layer (transformers'
+post_attention_layernorm then normalizes the attention's output, and pre_feedforward_layernorm
+is the norm before the MLP). Norm weights are copied as stored: a (1 + w) norm keeps its w.
 
 Layouts are written in the shape-letter legend (V vocab, D model, H query heads, K kv heads,
 E head dim, F mlp). A Hugging Face layout lists the tensor's dims separated by commas, each a run
@@ -29,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.interop.hf_config import HFFormatError
+from jaxtrain.models.features import Features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,24 +51,80 @@ class TensorRule:
     return "{i}" in self.hf_name
 
 
-# The whole mapping. Linear weights are [out, in] in transformers, [in, out] here.
+# Outside the layers, every family. Linear weights are [out, in] in transformers, [in, out] here.
 TOP_RULES = (
     TensorRule("model.embed_tokens.weight", ("embed_VD",), "V,D", "VD"),
     TensorRule("model.norm.weight", ("final_norm", "scale"), "D", "D"),
     TensorRule("lm_head.weight", ("head_DV",), "V,D", "DV"),  # absent when tied
 )
-LAYER_RULES = (
-    TensorRule("model.layers.{i}.self_attn.q_proj.weight", ("attn", "wq_DHE"), "HE,D", "DHE"),
-    TensorRule("model.layers.{i}.self_attn.k_proj.weight", ("attn", "wk_DKE"), "KE,D", "DKE"),
-    TensorRule("model.layers.{i}.self_attn.v_proj.weight", ("attn", "wv_DKE"), "KE,D", "DKE"),
-    TensorRule("model.layers.{i}.self_attn.o_proj.weight", ("attn", "wo_HED"), "D,HE", "HED"),
-    TensorRule("model.layers.{i}.mlp.gate_proj.weight", ("mlp", "w_gate_DF"), "F,D", "DF"),
-    TensorRule("model.layers.{i}.mlp.up_proj.weight", ("mlp", "w_up_DF"), "F,D", "DF"),
-    TensorRule("model.layers.{i}.mlp.down_proj.weight", ("mlp", "w_down_FD"), "D,F", "FD"),
-    TensorRule("model.layers.{i}.input_layernorm.weight", ("attn_norm", "scale"), "D", "D"),
-    TensorRule("model.layers.{i}.post_attention_layernorm.weight", ("mlp_norm", "scale"), "D",
-               "D"),
+
+
+def layer_rules(features: Features) -> tuple[TensorRule, ...]:
+  """One layer's tensors for a family's switches (q, k, v, o first, in this order)."""
+  attn, layer = "model.layers.{i}.self_attn.", "model.layers.{i}."
+  rules = [
+      TensorRule(attn + "q_proj.weight", ("attn", "wq_DHE"), "HE,D", "DHE"),
+      TensorRule(attn + "k_proj.weight", ("attn", "wk_DKE"), "KE,D", "DKE"),
+      TensorRule(attn + "v_proj.weight", ("attn", "wv_DKE"), "KE,D", "DKE"),
+      TensorRule(attn + "o_proj.weight", ("attn", "wo_HED"), "D,HE", "HED"),
+  ]
+  if features.qkv_bias:
+    rules += [TensorRule(attn + "q_proj.bias", ("attn", "bq_HE"), "HE", "HE"),
+              TensorRule(attn + "k_proj.bias", ("attn", "bk_KE"), "KE", "KE"),
+              TensorRule(attn + "v_proj.bias", ("attn", "bv_KE"), "KE", "KE")]
+  if features.qk_norm:
+    rules += [TensorRule(attn + "q_norm.weight", ("attn", "q_norm", "scale"), "E", "E"),
+              TensorRule(attn + "k_norm.weight", ("attn", "k_norm", "scale"), "E", "E")]
+  rules += [
+      TensorRule(layer + "mlp.gate_proj.weight", ("mlp", "w_gate_DF"), "F,D", "DF"),
+      TensorRule(layer + "mlp.up_proj.weight", ("mlp", "w_up_DF"), "F,D", "DF"),
+      TensorRule(layer + "mlp.down_proj.weight", ("mlp", "w_down_FD"), "D,F", "FD"),
+      TensorRule(layer + "input_layernorm.weight", ("attn_norm", "scale"), "D", "D"),
+  ]
+  if features.sandwich_norms:
+    rules += [
+        TensorRule(layer + "post_attention_layernorm.weight", ("post_attn_norm", "scale"), "D",
+                   "D"),
+        TensorRule(layer + "pre_feedforward_layernorm.weight", ("mlp_norm", "scale"), "D", "D"),
+        TensorRule(layer + "post_feedforward_layernorm.weight", ("post_mlp_norm", "scale"), "D",
+                   "D"),
+    ]
+  else:
+    rules.append(TensorRule(layer + "post_attention_layernorm.weight", ("mlp_norm", "scale"),
+                            "D", "D"))
+  return tuple(rules)
+
+
+# Llama's (no switch on).
+LAYER_RULES = layer_rules(Features())
+
+
+@dataclasses.dataclass(frozen=True)
+class Naming:
+  """Where a checkpoint keeps the decoder's tensors: the prefix standing for "model.", the output
+  head's name, and the prefixes of other towers (a multimodal checkpoint's), which are skipped."""
+  body: str
+  head: str = "lm_head.weight"
+  others: tuple[str, ...] = ()
+
+  def stored(self, name: str) -> str:
+    """The name in the file of a rule's tensor name."""
+    return self.head if name == "lm_head.weight" else self.body + name.removeprefix("model.")
+
+
+# Tensors of a multimodal checkpoint outside its language model (Gemma 3's SigLIP tower and its
+# projector), under either naming.
+MULTIMODAL_OTHERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                     "model.multi_modal_projector.")
+NAMINGS = (
+    Naming("model."),  # *ForCausalLM
+    Naming(""),  # a bare *Model: no "model." prefix, no head
+    # Gemma3ForConditionalGeneration as save_pretrained writes it (and the hub's checkpoints).
+    Naming("language_model.model.", "language_model.lm_head.weight", MULTIMODAL_OTHERS),
+    # ... and as its modules are named since transformers 4.52.
+    Naming("model.language_model.", "lm_head.weight", MULTIMODAL_OTHERS),
 )
+
 # Buffers some older exports carry; recomputed from the config, never read.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -73,8 +136,9 @@ SINGLE_FILE = "model.safetensors"
 
 def sizes_of(cfg) -> dict[str, int]:
   """Shape-letter sizes of a ModelConfig."""
-  return {"V": cfg.vocab_size, "D": cfg.d_model, "H": cfg.num_heads, "K": cfg.num_kv_heads,
-          "E": cfg.head_dim, "F": cfg.mlp_dim}
+  a = cfg.arch
+  return {"V": a.vocab_size, "D": a.d_model, "H": a.num_heads, "K": a.num_kv_heads,
+          "E": a.head_dim, "F": a.mlp_dim}
 
 
 def hf_shape(rule: TensorRule, sizes: dict[str, int]) -> tuple[int, ...]:
@@ -91,8 +155,8 @@ def layer_names(rule: TensorRule, num_layers: int) -> list[str]:
 
 
 def rules_for(cfg) -> tuple[TensorRule, ...]:
-  top = tuple(r for r in TOP_RULES if not (cfg.tie_embeddings and r.ours == ("head_DV",)))
-  return top + LAYER_RULES
+  top = tuple(r for r in TOP_RULES if not (cfg.arch.tie_embeddings and r.ours == ("head_DV",)))
+  return top + layer_rules(cfg.arch.features)
 
 
 def read_block(tensor_slice, rule: TensorRule, sizes: dict[str, int],
@@ -200,38 +264,45 @@ class SafetensorsReader(contextlib.AbstractContextManager):
     return tuple(self.get_slice(name).get_shape())
 
 
-def check_tensors(reader: SafetensorsReader, cfg) -> str:
-  """Checks names and shapes against the model before anything is read; returns the name prefix
-  ("" for a bare LlamaModel export whose names lack "model.")."""
+def naming_of(names) -> Naming:
+  """The naming whose embedding table the checkpoint holds (else the *ForCausalLM one, which
+  the missing-tensor message then names)."""
+  names = set(names)
+  for naming in NAMINGS:
+    if naming.stored("model.embed_tokens.weight") in names:
+      return naming
+  return NAMINGS[0]
+
+
+def check_tensors(reader: SafetensorsReader, cfg) -> Naming:
+  """Checks names and shapes against the model before anything is read; returns where the
+  checkpoint keeps them (Naming: "model." names, a bare *Model's, a multimodal checkpoint's)."""
   names = set(reader.names())
-  prefix = "" if "embed_tokens.weight" in names and "model.embed_tokens.weight" not in names \
-      else None
+  naming = naming_of(names)
   sizes = sizes_of(cfg)
   expected = {}
   for rule in rules_for(cfg):
-    for name in layer_names(rule, cfg.num_layers):
-      if prefix == "":
-        name = name.removeprefix("model.")
-      expected[name] = hf_shape(rule, sizes)
+    for name in layer_names(rule, cfg.arch.num_layers):
+      expected[naming.stored(name)] = hf_shape(rule, sizes)
   missing = sorted(set(expected) - names)
   if missing:
     hint = (" (config.json says tie_word_embeddings=false; the file has no output head)"
-            if missing == ["lm_head.weight"] else "")
+            if missing == [naming.head] else "")
     raise HFFormatError(f"{reader.directory}: tensors missing from the safetensors: "
                         f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}{hint}")
-  tolerated = {"lm_head.weight"} if cfg.tie_embeddings else set()
+  tolerated = {naming.head} if cfg.arch.tie_embeddings else set()
   unexpected = sorted(n for n in names - set(expected) - tolerated
-                      if not n.endswith(IGNORED_SUFFIXES))
+                      if not n.endswith(IGNORED_SUFFIXES) and not n.startswith(naming.others))
   if unexpected:
-    raise HFFormatError(f"{reader.directory}: tensors this Llama config has no place for: "
-                        f"{', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}; "
-                        f"check config.json (biases, layer count)")
+    raise HFFormatError(f"{reader.directory}: tensors this {cfg.arch.family} config has no place "
+                        f"for: {', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}"
+                        f"; check config.json (model_type, biases, layer count)")
   for name, shape in expected.items():
     got = reader.shape(name)
     if got != shape:
       raise HFFormatError(f"{reader.directory}: tensor {name} has shape {list(got)}, config.json "
                           f"implies {list(shape)}")
-  return "model." if prefix is None else prefix
+  return naming
 
 
 # --- export: a streaming safetensors writer --------------------------------------------------

@@ -67,6 +67,15 @@ class Architecture:
   def sm_scale(self) -> float:
     return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+  def describe(self) -> str:
+    """One line for run tables: family, sizes, and the window where there is one."""
+    out = (f"{self.family}: L={self.num_layers} D={self.d_model} H={self.num_heads} "
+           f"K={self.num_kv_heads} E={self.head_dim} F={self.mlp_dim} V={self.vocab_size}")
+    sliding = sum(self.sliding_layers())
+    if sliding:
+      out += f", window {self.sliding_window} on {sliding} of {self.num_layers} layers"
+    return out
+
 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
@@ -154,9 +163,10 @@ class ModelConfig:
     CPU) and the attention kernel's route.
     """
     # Imported here: the config layer imports this module for the family names.
-    import jax  # pylint: disable=import-outside-toplevel
-    from jaxtrain.config import lora_targets, resolve_compute_dtype  # pylint: disable=import-outside-toplevel
-    from jaxtrain.parallel.mesh import platform_of_backend  # pylint: disable=import-outside-toplevel
+    # pylint: disable=import-outside-toplevel
+    import jax
+    from jaxtrain.config import lora_targets, resolve_compute_dtype
+    from jaxtrain.parallel.mesh import platform_of_backend
 
     m, a, p = config.model, config.attention, config.pipeline
     platform = platform_of_backend(platform or jax.default_backend())

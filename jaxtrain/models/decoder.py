@@ -71,6 +71,14 @@ class Decoder(nnx.Module):
     w_DV = self.embed_VD[...].T if self.cfg.arch.tie_embeddings else self.head_DV[...]
     return w_DV.astype(self.cfg.runtime.dtype)
 
+  def head(self) -> tuple[jax.Array, int]:
+    """(output projection in the compute dtype, the axis of its vocab dim): head_DV and 1, or the
+    tied embedding table [V, D] and 0 as stored, for the chunked losses to contract without a
+    transposed copy (jaxtrain/cross_entropy.py)."""
+    if self.cfg.arch.tie_embeddings:
+      return self.embed_VD[...].astype(self.cfg.runtime.dtype), 0
+    return self.head_DV[...].astype(self.cfg.runtime.dtype), 1
+
   def _embed(self, table_VD, tokens_BT) -> jax.Array:
     x_BTD = jnp.take(table_VD, tokens_BT, axis=0)
     if self.cfg.arch.features.scale_embeddings:

@@ -47,9 +47,16 @@ class Family:
   hf_model_types: tuple[str, ...]
   # The class export names in config.json `architectures`.
   hf_architecture: str
-  # transformers' defaults for optional config.json fields of this family, so a sparse file means
-  # here what it means there.
+  # transformers' defaults for optional config.json fields of this family (its config class's),
+  # so a sparse file means here what it means there.
   hf_defaults: Mapping[str, object]
+  # How its config class marks the layers that attend within `sliding_window`: "none" (no window
+  # at all), "every" (every layer; null: none), "qwen" (`use_sliding_window`, then `layer_types`
+  # or the layers from `max_window_layers` on), "typed" (`layer_types`, else
+  # `sliding_window_pattern`: every Nth layer full).
+  hf_window: str = "none"
+  # Fixed fields export writes, as save_pretrained writes them for the family.
+  hf_export_fields: Mapping[str, object] = dataclasses.field(default_factory=dict)
   lora_targets: tuple[str, ...] = ALL_PROJECTIONS
   # What the family's docs say in one line (the run table, docs/models.md).
   summary: str = ""

@@ -24,6 +24,14 @@ FAMILY = Family(
                  "tie_word_embeddings": True, "rope_theta": 1_000_000.0,
                  "rope_local_base_freq": 10_000.0, "sliding_window": 4096,
                  "query_pre_attn_scalar": 256, "sliding_window_pattern": 6,
-                 "hidden_activation": "gelu_pytorch_tanh"},
+                 "hidden_activation": "gelu_pytorch_tanh",
+                 # Gemma3TextConfig's sizes: a multimodal checkpoint's text_config may give
+                 # only some of them.
+                 "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+                 "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                 "head_dim": 256},
+    hf_window="typed",
+    hf_export_fields={"attention_bias": False, "attn_logit_softcapping": None,
+                      "final_logit_softcapping": None, "use_bidirectional_attention": False},
     summary="Gemma 3: (1+w) sandwich norms, q/k norm, GeGLU, 5 local : 1 global layers",
 )

@@ -13,5 +13,6 @@ FAMILY = Family(
     hf_architecture="LlamaForCausalLM",
     hf_defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
                  "tie_word_embeddings": False, "rope_theta": 10000.0},
+    hf_export_fields={"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     summary="Llama 3.x: GQA, RoPE (llama3 scaling), SwiGLU",
 )

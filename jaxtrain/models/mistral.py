@@ -14,6 +14,8 @@ FAMILY = Family(
     hf_architecture="MistralForCausalLM",
     # MistralConfig's defaults: a 4096 window unless config.json says null.
     hf_defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 4096 * 32,
-                 "tie_word_embeddings": False, "rope_theta": 10000.0, "sliding_window": 4096},
+                 "tie_word_embeddings": False, "rope_theta": 10000.0, "sliding_window": 4096,
+                 "num_key_value_heads": 8},
+    hf_window="every",
     summary="Mistral: Llama's decoder, optional sliding window on every layer",
 )

@@ -13,6 +13,9 @@ FAMILY = Family(
     hf_model_types=("qwen2",),
     hf_architecture="Qwen2ForCausalLM",
     hf_defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
-                 "tie_word_embeddings": False, "rope_theta": 10000.0},
+                 "tie_word_embeddings": False, "rope_theta": 10000.0,
+                 "num_key_value_heads": 32, "use_sliding_window": False, "sliding_window": 4096,
+                 "max_window_layers": 28},
+    hf_window="qwen",
     summary="Qwen2.5: Llama's decoder with q/k/v biases",
 )
