@@ -2,13 +2,15 @@
 
 Llama, Qwen2, Qwen3, Mistral and Gemma 3 (text-only and multimodal).
 
-The tests (tests/test_hf_interop.py) need neither torch nor transformers: these fixtures carry
+The tests (tests/test_hf_interop.py, tests/test_hf_families.py) need neither torch nor transformers: these fixtures carry
 what transformers computed. To regenerate them, in a virtual environment of its own (the
 project's own .venv needs no torch):
 
     python3 -m venv /tmp/parity && /tmp/parity/bin/pip install -e ".[parity]"
     /tmp/parity/bin/python scripts/make_hf_fixtures.py                 # every case
     /tmp/parity/bin/python scripts/make_hf_fixtures.py --only hf_gemma3  # cases named hf_gemma3*
+    /tmp/parity/bin/python scripts/make_hf_fixtures.py --check_exports   # transformers loads
+                                                   # jaxtrain's export of every family fixture
 
 (The logits of another CPU or torch build may differ in the last bits (~1e-6): regenerate only
 the cases that changed, with --only.)
@@ -669,18 +671,55 @@ CASES: dict[str, Callable[[], None]] = {
 }
 
 
+def check_export(name: str) -> dict:
+  """jaxtrain imports fixture `name` and exports it in each rope spelling; transformers loads
+  each export with AutoModelForCausalLM and must compute the fixture's logits within LOGIT_TOL.
+  The errors and the class transformers chose go into fixture_info.json's "export_check"."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  from jaxtrain.interop import hf, hf_config  # pylint: disable=import-outside-toplevel
+  out = os.path.join(ROOT, name)
+  ids, want = np.load(os.path.join(out, "input_ids.npy")), np.load(os.path.join(out, "logits.npy"))
+  model, config = hf.load_model(out)
+  checked = {}
+  for spelling in hf_config.ROPE_SPELLINGS:
+    with tempfile.TemporaryDirectory() as tmp:
+      hf.save_model(model, config, tmp, rope_spelling=spelling)
+      loaded = transformers.AutoModelForCausalLM.from_pretrained(
+          tmp, dtype=torch.float32, attn_implementation="eager").eval()
+      logits, _ = logits_and_loss(loaded, ids)
+    err = float(np.abs(logits - want).max())
+    assert err <= LOGIT_TOL, f"{name}: export ({spelling}) max abs logit error {err:.3e}"
+    checked[spelling] = {"class": type(loaded).__name__, "max_abs_logit_error": err}
+    print(f"{name}: transformers loads the export ({spelling}, {type(loaded).__name__}): "
+          f"max abs logit error {err:.3e}")
+  path = os.path.join(out, "fixture_info.json")
+  with open(path, encoding="utf-8") as f:
+    info = json.load(f)
+  info["export_check"] = checked
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(info, f, indent=2)
+  return checked
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--only", action="append", metavar="PREFIX",
                       help="generate only the cases whose name starts with PREFIX (repeatable; "
                            "default: every case). Cases: " + ", ".join(CASES))
+  parser.add_argument("--check_exports", action="store_true",
+                      help="instead of generating: export each chosen non-Llama fixture with "
+                           "jaxtrain and check that transformers loads it and computes its "
+                           "logits (recorded in fixture_info.json)")
   args = parser.parse_args()
   names = [n for n in CASES if not args.only or any(n.startswith(p) for p in args.only)]
   if not names:
     parser.error(f"no case starts with {args.only}; cases: {', '.join(CASES)}")
   torch.set_default_dtype(torch.float32)
   for name in names:
-    CASES[name]()
+    if not args.check_exports:
+      CASES[name]()
+    elif not name.startswith("hf_llama"):  # the Llama export is checked by round_trip
+      check_export(name)
 
 
 if __name__ == "__main__":

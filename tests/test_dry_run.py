@@ -189,8 +189,8 @@ def test_compute_dtype_auto():
   assert config_lib.resolve_compute_dtype("auto", "tpu") == "bfloat16"
   config = small_config()
   assert config.model.dtype == "auto"
-  assert ModelConfig.from_config(config).dtype == "float32"  # this backend is the CPU
-  assert ModelConfig.from_config(config, platform="gpu").dtype == "bfloat16"
+  assert ModelConfig.from_config(config).runtime.dtype == "float32"  # this backend is the CPU
+  assert ModelConfig.from_config(config, platform="gpu").runtime.dtype == "bfloat16"
 
 
 def test_optimizer_state_offload_on_cpu():

@@ -4,6 +4,8 @@ window, with both layer types in a scanned stack), scanned equals unrolled, the 
 W keys, counts come from the model, training matches across meshes, LoRA and DPO train.
 (Parity with transformers: tests/test_hf_families.py.)"""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxtrain import train_setup, trainer
+from jaxtrain.dryrun import measure, targets
 from jaxtrain.models import cost, registry
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import abstract_model, create_model
@@ -150,3 +153,24 @@ def test_lora_and_dpo_train_a_non_llama_model():
       losses.append(float(m["loss"]))
   assert losses[0] == pytest.approx(np.log(2), abs=1e-6)
   assert losses[-1] < losses[0] and float(m["reward_accuracy"]) > 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,kernel", [("h100x8", r"__gpu\$xla\.gpu\.triton"),
+                                         ("v5p-8", r"tpu_custom_call")])
+def test_a_gemma3_step_compiles_both_layer_types_kernels_for_the_target(name, kernel):
+  """The tiny Gemma 3 (a sliding and a full layer in one scanned stack) with our Pallas kernels,
+  compiled by the target's own compiler: one conditional picks the windowed or the full kernel
+  per layer, and both branches hold the kernels, forward and backward."""
+  target = targets.parse(name)
+  missing = targets.compiler_missing(target)
+  if missing is not None:
+    pytest.skip(f"no deviceless compiler for {name}: {missing}")
+  config = family_config("gemma3", head_dim=16)  # the Triton kernels' smallest head dim
+  config.target, config.attention.impl = name, "pallas"
+  config.mesh.fsdp = target.num_devices
+  compiled, setup, _, _, note, _ = measure.compile_step(config, targets.devices(target))
+  hlo = compiled.as_text()
+  assert setup.model_cfg.runtime.platform == target.compiler, note
+  assert len(re.findall(r"\bconditional\(", hlo)) >= 2  # forward and backward
+  assert len(re.findall(f'custom_call_target="{kernel}', hlo)) >= 4

@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 from jaxtrain import config_checks
-from jaxtrain.interop import hf, hf_config
+from jaxtrain.interop import hf, hf_config, hf_export_config
 from jaxtrain.interop.hf_config import HFFormatError
 from jaxtrain.models import registry
 from tests.helpers import mesh_of
@@ -246,17 +246,17 @@ def test_export_refuses_what_the_family_config_cannot_say(imported):
   with pytest.raises(HFFormatError, match=r"^model.layer_types='sliding,full': "
                                           r"MistralForCausalLM applies sliding_window to every "
                                           r"layer"):
-    hf_config.from_jaxtrain_config(config, dtype="float32")
+    hf_export_config.from_jaxtrain_config(config, dtype="float32")
   config.model.family = "llama"
   config.model.layer_types = ""
   with pytest.raises(HFFormatError, match=r"^model.sliding_window=16: LlamaForCausalLM has no "
                                           r"sliding window"):
-    hf_config.from_jaxtrain_config(config, dtype="float32")
+    hf_export_config.from_jaxtrain_config(config, dtype="float32")
   config.model.sliding_window = 0
   config.model.query_pre_attn_scalar = 24.0
   with pytest.raises(HFFormatError, match=r"^model.query_pre_attn_scalar=24.0: LlamaForCausalLM "
                                           r"has no query_pre_attn_scalar"):
-    hf_config.from_jaxtrain_config(config, dtype="float32")
+    hf_export_config.from_jaxtrain_config(config, dtype="float32")
 
 
 def test_cli_import_of_a_gemma3_checkpoint_prints_its_family(tmp_path, capsys):
@@ -327,7 +327,7 @@ def test_qwen_sliding_window_from_max_window_layers_or_layer_types(model_type):
   assert (every["model.sliding_window"], every["model.layer_types"]) == (16, "")
   # ... and export says it again, for transformers 5 (layer_types) and older readers.
   config = hf_config.to_jaxtrain_config(dict(base, use_sliding_window=True), FIXTURES)
-  written = hf_config.from_jaxtrain_config(config, dtype="float32")
+  written = hf_export_config.from_jaxtrain_config(config, dtype="float32")
   assert (written["use_sliding_window"], written["sliding_window"],
           written["max_window_layers"]) == (True, 16, 1)
   assert written["layer_types"] == ["full_attention"] + ["sliding_attention"] * 3

@@ -23,7 +23,7 @@ from jaxtrain.sharding import abstract_model, create_model, init_params_fn
 B, T = 2, 16
 CFG = ModelConfig.of(vocab_size=128, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
                   head_dim=16, mlp_dim=128)
-LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+LLAMA3_SCALING = dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=8192)
 
 
@@ -418,7 +418,8 @@ def _llama31_inv_freq(head_dim, theta, factor, low_freq_factor, high_freq_factor
 
 def test_rope_inv_freq_llama3_scaling():
   got = rope_inv_freq(128, 500000.0, LLAMA3_SCALING)
-  want, kinds = _llama31_inv_freq(128, 500000.0, **LLAMA3_SCALING)
+  want, kinds = _llama31_inv_freq(128, 500000.0, **{k: v for k, v in LLAMA3_SCALING.items()
+                                                      if k != "type"})
   assert set(kinds) == {"keep", "scale", "smooth"}  # all three regimes are exercised
   assert got.shape == (64,) and got.dtype == np.float32
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
@@ -430,12 +431,21 @@ def test_rope_inv_freq_unscaled():
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
 
 
+def test_rope_inv_freq_linear_scaling_divides_every_frequency():
+  plain = rope_inv_freq(16, 1e6, None)
+  np.testing.assert_allclose(rope_inv_freq(16, 1e6, {"type": "linear", "factor": 8.0}),
+                             plain / 8, rtol=1e-6)
+
+
 def test_rope_scaling_from_run_config():
-  """The run config's llama3 group becomes hashable (key, value) pairs without `type`."""
+  """The run config's rope_scaling group becomes hashable (key, value) pairs with its type."""
   config = config_lib.default_config()
-  assert ModelConfig.from_config(config).rope_scaling is None
+  assert ModelConfig.from_config(config).arch.rope_scaling is None
+  config.model.rope_scaling.type = "linear"
+  assert ModelConfig.from_config(config).arch.rope_scaling == (("type", "linear"),
+                                                               ("factor", 8.0))
   config.model.rope_scaling.type = "llama3"
-  scaling = ModelConfig.from_config(config).rope_scaling
+  scaling = ModelConfig.from_config(config).arch.rope_scaling
   hash(scaling)
   assert dict(scaling) == LLAMA3_SCALING
   np.testing.assert_array_equal(rope_inv_freq(128, 500000.0, dict(scaling)),

@@ -178,7 +178,7 @@ def test_adapter_init_and_axes():
   with _one_device():
     lora = peft.LoRA("o", "wo_HED", (4, 16, 64), ("heads", "head_dim", "embed"), 2, 8, 16.0,
                      0.0, jnp.float32, nnx.Rngs(0))
-    assert peft.adapter(_lora(targets=("q",)), nnx.Rngs(0), "o", "wo_HED", (4, 16, 64),
+    assert peft.adapter(_lora(targets=("q",)).peft, nnx.Rngs(0), "o", "wo_HED", (4, 16, 64),
                         ("heads", "head_dim", "embed"), 2) is None
   a, b = np.asarray(lora.a_IR[...]), np.asarray(lora.b_RO[...])
   assert a.shape == (4, 16, 8) and b.shape == (8, 64)

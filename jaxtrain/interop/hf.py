@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxtrain.config import ConfigError, load_config_file
-from jaxtrain.interop import hf_config, hf_weights
+from jaxtrain.interop import hf_config, hf_export_config, hf_weights
 from jaxtrain.interop.hf_config import HFFormatError
 from jaxtrain.parallel.mesh import make_mesh
 from jaxtrain.models.config import ModelConfig
@@ -300,7 +300,7 @@ def save_model(model: Decoder, config, path: str, *, dtype: str | None = None,
   # Ids the model cannot embed (the byte tokenizer's 256/257 beside a small vocab) are left out.
   bos, eos = (i if i is not None and i < cfg.arch.vocab_size else None
               for i in (tok.bos_id, tok.eos_id))
-  hf = hf_config.from_jaxtrain_config(config, dtype=dtype, bos_id=bos, eos_id=eos,
+  hf = hf_export_config.from_jaxtrain_config(config, dtype=dtype, bos_id=bos, eos_id=eos,
                                       rope_spelling=rope_spelling)
   writer = jax.process_index() == 0
   if writer:

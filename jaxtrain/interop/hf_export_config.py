@@ -1,0 +1,148 @@
+"""jaxtrain config -> Hugging Face `config.json`: what transformers loads as the family's
+*ForCausalLM (the reading direction, and what both share, is in hf_config.py).
+
+It writes the transformers >= 5 spelling by default (what `save_pretrained` writes today) or the
+older one on request (`rope_spelling="rope_scaling"`), for readers older than transformers 5,
+which ignore `rope_parameters`. A model whose math the family's config class cannot express (a
+window on Llama, mixed layer types on Mistral, a softmax scale outside Gemma 3) is refused in
+one line rather than written as something else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxtrain.interop.hf_config import (DTYPES, HF_ACTIVATIONS, OUR_LAYER_TYPES, ROPE_SPELLINGS,
+                                        HFFormatError, defaults_of, pattern_layer_types)
+from jaxtrain.models import registry
+from jaxtrain.models.config import FULL, SLIDING, architecture_of
+from jaxtrain.models.features import Family
+
+
+
+def _rope_dict(m) -> dict[str, Any]:
+  """config.model's (full layers') RoPE scaling as Hugging Face spells it."""
+  rs = m.rope_scaling
+  if rs.type == "llama3":
+    return {"rope_type": "llama3", "factor": float(rs.factor),
+            "low_freq_factor": float(rs.low_freq_factor),
+            "high_freq_factor": float(rs.high_freq_factor),
+            "original_max_position_embeddings": int(rs.original_max_position_embeddings)}
+  if rs.type == "linear":
+    return {"rope_type": "linear", "factor": float(rs.factor)}
+  return {"rope_type": "default"}
+
+
+def _check_expressible(m, family: Family, sliding: list[bool]) -> None:
+  """Refuses export of a model whose math the family's config class cannot express."""
+  defaults = defaults_of(family)
+  if "query_pre_attn_scalar" not in defaults and m.query_pre_attn_scalar and (
+      m.query_pre_attn_scalar != m.head_dim):
+    raise HFFormatError(f"model.query_pre_attn_scalar={m.query_pre_attn_scalar}: "
+                        f"{family.hf_architecture} has no query_pre_attn_scalar; export needs 0 "
+                        f"(head_dim) for model.family={family.name!r}")
+  if ("rope_local_base_freq" not in defaults and m.local_rope_theta and any(sliding)
+      and (m.local_rope_theta != m.rope_theta or m.rope_scaling.type != "none")):
+    raise HFFormatError(f"model.local_rope_theta={m.local_rope_theta}: {family.hf_architecture} "
+                        f"has one RoPE for all layers; export needs 0 for "
+                        f"model.family={family.name!r}")
+  scheme = family.hf_window
+  if scheme == "none" and any(sliding):
+    raise HFFormatError(f"model.sliding_window={m.sliding_window}: {family.hf_architecture} has "
+                        f"no sliding window; export needs 0 for model.family={family.name!r}")
+  if scheme == "every" and any(sliding) and not all(sliding):
+    raise HFFormatError(f"model.layer_types={m.layer_types!r}: {family.hf_architecture} applies "
+                        f"sliding_window to every layer; export needs every layer alike")
+
+
+def _export_window(m, family: Family, sliding: list[bool]) -> dict[str, Any]:
+  """The sliding-window fields of the family's config class."""
+  scheme = family.hf_window
+  window = int(m.sliding_window) if any(sliding) else None
+  types = [OUR_LAYER_TYPES[SLIDING if s else FULL] for s in sliding]
+  if scheme == "every":
+    return {"sliding_window": window}
+  if scheme == "qwen":
+    leading_full = next((i for i, s in enumerate(sliding) if s), len(sliding))
+    return {"use_sliding_window": window is not None, "sliding_window": window,
+            "max_window_layers": leading_full, "layer_types": types}
+  if scheme == "typed":
+    # Gemma3TextConfig builds its sliding mask whatever the layer types: keep a window there.
+    return {"sliding_window": window or int(defaults_of(family)["sliding_window"]),
+            "layer_types": types}
+  return {}
+
+
+def from_jaxtrain_config(config, *, dtype: str, bos_id: int | None = None,
+                         eos_id: int | None = None,
+                         rope_spelling: str = "rope_parameters") -> dict[str, Any]:
+  """A config.json (as a dict) that transformers loads as the family's *ForCausalLM."""
+  m = config.model
+  family = registry.get(m.family)
+  if dtype not in DTYPES:
+    raise HFFormatError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)}")
+  if rope_spelling not in ROPE_SPELLINGS:
+    raise HFFormatError(f"rope_spelling={rope_spelling!r}: choose one of "
+                        f"{', '.join(ROPE_SPELLINGS)}")
+  if m.d_model % m.num_heads:
+    # transformers' config validation refuses this even when head_dim is given.
+    raise HFFormatError(f"model.d_model={m.d_model}: transformers requires hidden_size to be "
+                        f"divisible by num_attention_heads={m.num_heads}")
+  defaults = defaults_of(family)
+  sliding = list(architecture_of(m).sliding_layers())
+  _check_expressible(m, family, sliding)
+  act_key = "hidden_activation" if "hidden_activation" in defaults else "hidden_act"
+  hf = {
+      "architectures": [family.hf_architecture],
+      "model_type": family.hf_model_types[0],
+      "vocab_size": int(m.vocab_size),
+      "hidden_size": int(m.d_model),
+      "intermediate_size": int(m.mlp_dim),
+      "num_hidden_layers": int(m.num_layers),
+      "num_attention_heads": int(m.num_heads),
+      "num_key_value_heads": int(m.num_kv_heads),
+      "head_dim": int(m.head_dim),
+      act_key: HF_ACTIVATIONS[family.features.mlp_activation][0],
+      "max_position_embeddings": int(m.max_position_embeddings),
+      "initializer_range": float(m.init_std),
+      "rms_norm_eps": float(m.norm_eps),
+      "tie_word_embeddings": bool(m.tie_embeddings),
+      **family.hf_export_fields,
+      "attention_dropout": 0.0,
+      "use_cache": True,
+      "bos_token_id": bos_id,
+      "eos_token_id": eos_id,
+      "pad_token_id": None,
+  }
+  if "query_pre_attn_scalar" in defaults:
+    scalar = float(m.query_pre_attn_scalar or m.head_dim)
+    hf["query_pre_attn_scalar"] = int(scalar) if scalar.is_integer() else scalar
+  hf.update(_export_window(m, family, sliding))
+  rope = _rope_dict(m)
+  per_type = "rope_local_base_freq" in defaults
+  local = float(m.local_rope_theta)
+  if rope_spelling == "rope_parameters":
+    full = {**rope, "rope_theta": float(m.rope_theta)}
+    if per_type:  # sliding layers: their own plain RoPE, or the full layers' one
+      hf["rope_parameters"] = {
+          "full_attention": full,
+          "sliding_attention": ({"rope_type": "default", "rope_theta": local} if local
+                                else dict(full))}
+    else:
+      hf["rope_parameters"] = full
+    hf["dtype"] = dtype
+  else:
+    hf["rope_theta"] = float(m.rope_theta)
+    hf["rope_scaling"] = rope if rope["rope_type"] != "default" else None
+    if per_type:
+      if not local and rope["rope_type"] != "default" and any(sliding):
+        raise HFFormatError("rope_spelling='rope_scaling': cannot give sliding layers the full "
+                            "layers' scaled RoPE (model.local_rope_theta=0); export with "
+                            "rope_spelling='rope_parameters'")
+      hf["rope_local_base_freq"] = local or float(m.rope_theta)
+      for pattern in range(1, m.num_layers + 2):
+        if pattern_layer_types(pattern, m.num_layers) == hf["layer_types"]:
+          hf["sliding_window_pattern"] = pattern  # for readers older than layer_types
+          break
+    hf["torch_dtype"] = dtype
+  return hf
