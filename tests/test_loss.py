@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.cross_entropy import chunked_cross_entropy
+from jaxtrain.cross_entropy import (chunked_cross_entropy, sequence_cross_entropy,
+                                    token_cross_entropy)
 
 
 def naive_cross_entropy(x_BTD, w_DV, targets_BT, mask_BT):
@@ -63,7 +64,6 @@ def test_large_vocab_temporaries_stay_below_full_logits():
 def test_a_tied_table_is_contracted_as_stored():
   """The head given as a [V, D] table (vocab_axis=0) gives the [D, V] head's loss and gradients
   (the table's gradient transposed), for all three chunked losses."""
-  from jaxtrain.cross_entropy import sequence_cross_entropy, token_cross_entropy  # pylint: disable=import-outside-toplevel
   x, w_DV, targets, mask = _inputs(3, 30, 16, 50)
   w_VD = w_DV.T
   losses = {
