@@ -24,26 +24,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def get_config():
   c = load_config_file(os.path.join(HERE, "gemma3_27b.py"))
+  # Adapters, data, optimizer and the one-GPU batch as sft_lora_qwen3_8b.py has them.
+  sft = load_config_file(os.path.join(HERE, "sft_lora_qwen3_8b.py"))
+  for group in ("lora", "data", "optim", "checkpoint", "train"):
+    c[group] = sft[group]
   c.target = "l4x1"
   c.model.param_dtype = "bfloat16"
   c.model.remat_policy = "full"
-  c.lora.rank = 16
-  c.lora.alpha = 32.0
-  c.lora.dropout = 0.05
-  c.lora.targets = "q,k,v,o,gate,up,down"
   c.lora.quantize_base = "nf4"
   c.lora.quant_group_size = 64
-
-  c.data.source = "jsonl"
-  c.data.format = "chat"
   c.train.seq_len = 1024
-  c.train.global_batch_size = 32
-  c.train.grad_accum_steps = 32
-  c.train.steps = 2000
-  c.train.eval_every = 200
   c.train.loss_chunk_size = 256
-  c.optim.learning_rate = 2e-4
-  c.optim.warmup_steps = 50
-  c.optim.weight_decay = 0.0
-  c.checkpoint.every_steps = 200
   return c

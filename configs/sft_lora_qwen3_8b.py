@@ -24,24 +24,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def get_config():
   c = load_config_file(os.path.join(HERE, "qwen3_8b.py"))
+  # The adapters, chat data, optimizer and checkpoint cadence of the Llama 8B LoRA config.
+  sft = load_config_file(os.path.join(HERE, "sft_lora_llama8b.py"))
+  for group in ("lora", "data", "optim", "checkpoint"):
+    c[group] = sft[group]
+  c.train.steps, c.train.eval_every = sft.train.steps, sft.train.eval_every
   c.target = "l4x1"
   c.model.param_dtype = "bfloat16"  # the frozen base; adapters and their optimizer stay float32
   c.model.remat_policy = "full"
-  c.lora.rank = 16
-  c.lora.alpha = 32.0
-  c.lora.dropout = 0.05
-  c.lora.targets = "q,k,v,o,gate,up,down"
-
-  c.data.source = "jsonl"
-  c.data.format = "chat"
   c.train.seq_len = 2048
   c.train.global_batch_size = 32
   c.train.grad_accum_steps = 32
-  c.train.steps = 2000
-  c.train.eval_every = 200
   c.train.loss_chunk_size = 512  # [1, 512, 151936] float32 logits at a time
-  c.optim.learning_rate = 2e-4
-  c.optim.warmup_steps = 50
-  c.optim.weight_decay = 0.0
-  c.checkpoint.every_steps = 200
   return c

@@ -488,3 +488,14 @@ def kill_cli_process_after_step(workdir, step: int, *args, devices: int = 1,
   finally:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+def safetensors_tensors(directory) -> dict:
+  """Every tensor of the *.safetensors files in `directory`, by name, as numpy arrays."""
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+  out = {}
+  for name in sorted(os.listdir(directory)):
+    if name.endswith(".safetensors"):
+      with safe_open(os.path.join(directory, name), framework="numpy") as f:
+        out.update({k: f.get_tensor(k) for k in f.keys()})
+  return out

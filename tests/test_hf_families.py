@@ -24,7 +24,7 @@ from jaxtrain import config_checks
 from jaxtrain.interop import hf, hf_config, hf_export_config
 from jaxtrain.interop.hf_config import HFFormatError
 from jaxtrain.models import registry
-from tests.helpers import mesh_of
+from tests.helpers import mesh_of, safetensors_tensors
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 CASES = ("hf_qwen3_tied", "hf_qwen3_untied", "hf_qwen2_untied", "hf_qwen2_tied",
@@ -74,14 +74,15 @@ def imported():
   return get
 
 
-def _tensors(directory):
-  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
-  out = {}
-  for name in sorted(os.listdir(directory)):
-    if name.endswith(".safetensors"):
-      with safe_open(os.path.join(directory, name), framework="numpy") as f:
-        out.update({k: f.get_tensor(k) for k in f.keys()})
-  return out
+def _assert_exported_bitwise(path, exported_dir):
+  """The export holds exactly the source's decoder tensors, bitwise, under the *ForCausalLM
+  names (a multimodal source's language model without its prefix, its vision parts dropped)."""
+  original = {re.sub(r"^language_model\.", "", k): v for k, v in safetensors_tensors(path).items()
+              if not k.startswith(("vision_tower.", "multi_modal_projector."))}
+  exported = safetensors_tensors(exported_dir)
+  assert sorted(exported) == sorted(original)
+  for key, x in original.items():
+    np.testing.assert_array_equal(exported[key], x, err_msg=key)
 
 
 def _info(path):
@@ -139,7 +140,7 @@ def test_multimodal_tensors_under_the_newer_module_names_import_too(tmp_path, im
   renamed = {re.sub(r"^language_model\.model\.", "model.language_model.", k)
                 .replace("vision_tower.", "model.vision_tower.", 1)
              if not k.startswith("multi_modal_projector.") else "model." + k: v
-             for k, v in _tensors(MULTIMODAL).items()}
+             for k, v in safetensors_tensors(MULTIMODAL).items()}
   assert "model.language_model.embed_tokens.weight" in renamed
   save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
   (tmp_path / "config.json").write_text(json.dumps(hf_config.read_hf_config(MULTIMODAL)))
@@ -149,7 +150,7 @@ def test_multimodal_tensors_under_the_newer_module_names_import_too(tmp_path, im
 
 def test_unknown_tensors_beside_a_multimodal_language_model_are_refused(tmp_path):
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
-  tensors = _tensors(MULTIMODAL)
+  tensors = safetensors_tensors(MULTIMODAL)
   tensors["audio_tower.proj.weight"] = np.zeros((2, 2), np.float32)
   save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
   (tmp_path / "config.json").write_text(json.dumps(hf_config.read_hf_config(MULTIMODAL)))
@@ -185,12 +186,7 @@ def test_export_writes_the_family_config_and_tensors_and_reimports(tmp_path, imp
       if key in text:
         assert written[key] == text[key], key
   # Bitwise the source's decoder tensors, under the *ForCausalLM names.
-  original = {re.sub(r"^language_model\.", "", k): v for k, v in _tensors(path).items()
-              if not k.startswith(("vision_tower.", "multi_modal_projector."))}
-  exported = _tensors(tmp_path)
-  assert sorted(exported) == sorted(original)
-  for key, x in original.items():
-    np.testing.assert_array_equal(exported[key], x, err_msg=key)
+  _assert_exported_bitwise(path, tmp_path)
   again, _ = hf.load_model(str(tmp_path))
   _max_error(again, path, f"{name} exported and imported again")
 
@@ -204,12 +200,7 @@ def test_sharded_import_and_export_on_8_devices(tmp_path, name):
   with jax.set_mesh(mesh):
     _max_error(model, path, f"{name} on (2,2,2)")
   hf.save_model(model, config, str(tmp_path))
-  original = {re.sub(r"^language_model\.", "", k): v for k, v in _tensors(path).items()
-              if not k.startswith(("vision_tower.", "multi_modal_projector."))}
-  exported = _tensors(tmp_path)
-  assert sorted(exported) == sorted(original)
-  for key, x in original.items():
-    np.testing.assert_array_equal(exported[key], x, err_msg=key)
+  _assert_exported_bitwise(path, tmp_path)
 
 
 def test_unrolled_layers_of_both_types_import(tmp_path):
@@ -219,7 +210,7 @@ def test_unrolled_layers_of_both_types_import(tmp_path):
   model = hf.load_weights(GEMMA3_TEXT, config)
   _max_error(model, GEMMA3_TEXT, "gemma3 unrolled layers")
   hf.save_model(model, config, str(tmp_path))
-  original, exported = _tensors(GEMMA3_TEXT), _tensors(tmp_path)
+  original, exported = safetensors_tensors(GEMMA3_TEXT), safetensors_tensors(tmp_path)
   assert sorted(exported) == sorted(original)
   for key, x in original.items():
     np.testing.assert_array_equal(exported[key], x, err_msg=key)

@@ -30,7 +30,7 @@ from jaxtrain.interop.hf_config import HFFormatError
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import abstract_model
 from jaxtrain.train_step import loss_sum_fn
-from tests.helpers import mesh_of
+from tests.helpers import mesh_of, safetensors_tensors
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 GQA = os.path.join(FIXTURES, "hf_llama_gqa_llama3")
@@ -266,21 +266,11 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path):
 def test_bare_llama_model_names_without_the_model_prefix_import(tmp_path):
   """LlamaModel exports (no "model." prefix, no lm_head) of a tied model load the same."""
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
-  save_file({k.removeprefix("model."): v for k, v in _tensors(TIED).items()},
+  save_file({k.removeprefix("model."): v for k, v in safetensors_tensors(TIED).items()},
             str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
   shutil.copy(os.path.join(TIED, "config.json"), tmp_path)
   model, _ = hf.load_model(str(tmp_path))
   _assert_parity(model, TIED, "bare LlamaModel names")
-
-
-def _tensors(directory):
-  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
-  out = {}
-  for name in sorted(os.listdir(directory)):
-    if name.endswith(".safetensors"):
-      with safe_open(os.path.join(directory, name), framework="numpy") as f:
-        out.update({k: f.get_tensor(k) for k in f.keys()})
-  return out
 
 
 @pytest.mark.parametrize("path,shape", [(GQA, (2, 2, 2)), (TIED, (1, 8, 1)),
@@ -291,7 +281,7 @@ def test_export_writes_the_same_tensors_and_reimports(tmp_path, path, shape):
   out = tmp_path / "hf"
   written = hf.save_model(model, config, str(out), max_file_bytes=50_000)
   assert "model.safetensors.index.json" in written and "config.json" in written
-  original, exported = _tensors(path), _tensors(out)
+  original, exported = safetensors_tensors(path), safetensors_tensors(out)
   if config.model.tie_embeddings:
     assert "lm_head.weight" not in exported
   assert sorted(exported) == sorted(original)
@@ -315,7 +305,7 @@ def test_unrolled_layers_import_and_export(tmp_path):
   assert "0" in {str(k) for k in nnx.state(model, nnx.Param)["layers"].keys()}
   _assert_parity(model, GQA, "unrolled layers", with_loss=False)
   hf.save_model(model, config, str(tmp_path))
-  original, exported = _tensors(GQA), _tensors(tmp_path)
+  original, exported = safetensors_tensors(GQA), safetensors_tensors(tmp_path)
   assert sorted(exported) == sorted(original)
   for name, x in original.items():
     np.testing.assert_array_equal(exported[name], x, err_msg=name)
@@ -337,7 +327,7 @@ def test_export_writes_what_transformers_loaded_back(tmp_path, spelling):
   with open(os.path.join(WIDE_HEADS, f"export_config.{spelling}.json"), encoding="utf-8") as f:
     loaded_by_transformers = json.load(f)
   assert json.loads((tmp_path / "config.json").read_text()) == loaded_by_transformers
-  original, exported = _tensors(WIDE_HEADS), _tensors(tmp_path)
+  original, exported = safetensors_tensors(WIDE_HEADS), safetensors_tensors(tmp_path)
   assert sorted(exported) == sorted(original)
   for name, x in original.items():
     np.testing.assert_array_equal(exported[name], x, err_msg=name)
@@ -360,7 +350,7 @@ def test_exported_config_round_trips_in_both_spellings(tmp_path, spelling):
   assert written["bos_token_id"] == 0 and written["eos_token_id"] == 1  # from tokenizer.json
   assert hf_config.model_overrides(written) == hf_config.model_overrides(
       hf_config.read_hf_config(GQA))
-  assert {t.dtype for t in _tensors(tmp_path).values()} == {np.dtype("bfloat16")}
+  assert {t.dtype for t in safetensors_tensors(tmp_path).values()} == {np.dtype("bfloat16")}
   # A bfloat16 checkpoint imports as float32 parameters holding exactly the bfloat16 values.
   again, _ = hf.load_model(str(tmp_path))
   for got, want in zip(jax.tree.leaves(nnx.state(again, nnx.Param)),
@@ -394,8 +384,8 @@ def test_cli_import_writes_a_trainable_weights_directory_and_export_reverses_it(
   out = tmp_path / "hf"
   assert hf.main(["export", f"--checkpoint={weights}", f"--out={out}",
                   "--max_shard_size=60KB"]) == 0
-  exported = _tensors(out)
-  original = _tensors(GQA)
+  exported = safetensors_tensors(out)
+  original = safetensors_tensors(GQA)
   for name, x in original.items():  # float32 of the bfloat16-rounded weights
     np.testing.assert_array_equal(exported[name], x.astype(jnp.bfloat16).astype(np.float32),
                                   err_msg=name)

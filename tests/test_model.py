@@ -3,7 +3,6 @@
 import contextlib
 import functools
 import io
-import math
 
 import jax
 import jax.numpy as jnp
@@ -17,14 +16,11 @@ from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain import metrics
 from jaxtrain.parallel.mesh import LOGICAL_RULES
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.models.rope import apply_rope, rope_inv_freq
 from jaxtrain.sharding import abstract_model, create_model, init_params_fn
 
 B, T = 2, 16
 CFG = ModelConfig.of(vocab_size=128, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
                   head_dim=16, mlp_dim=128)
-LLAMA3_SCALING = dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                      original_max_position_embeddings=8192)
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,119 +382,3 @@ def test_params_sharded_by_logical_axes(mesh1):
   with jax.set_mesh(mesh1):
     want = _logits(*_with_values(MESH_CFG, mesh1, _pure(state)), tokens)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(want), atol=1e-5, rtol=0)
-
-
-# --------------------------------------------------------------------------------------------
-# RoPE.
-# --------------------------------------------------------------------------------------------
-
-
-def _llama31_inv_freq(head_dim, theta, factor, low_freq_factor, high_freq_factor,
-                      original_max_position_embeddings):
-  """Straight from the Llama 3.1 reference (`apply_scaling`), one frequency at a time."""
-  freqs = [1.0 / (theta ** (i / head_dim)) for i in range(0, head_dim, 2)]
-  low_freq_wavelen = original_max_position_embeddings / low_freq_factor
-  high_freq_wavelen = original_max_position_embeddings / high_freq_factor
-  new_freqs, kinds = [], []
-  for freq in freqs:
-    wavelen = 2 * math.pi / freq
-    if wavelen < high_freq_wavelen:
-      new_freqs.append(freq)
-      kinds.append("keep")
-    elif wavelen > low_freq_wavelen:
-      new_freqs.append(freq / factor)
-      kinds.append("scale")
-    else:
-      smooth = ((original_max_position_embeddings / wavelen - low_freq_factor)
-                / (high_freq_factor - low_freq_factor))
-      new_freqs.append((1 - smooth) * freq / factor + smooth * freq)
-      kinds.append("smooth")
-  return np.array(new_freqs), kinds
-
-
-def test_rope_inv_freq_llama3_scaling():
-  got = rope_inv_freq(128, 500000.0, LLAMA3_SCALING)
-  want, kinds = _llama31_inv_freq(128, 500000.0, **{k: v for k, v in LLAMA3_SCALING.items()
-                                                      if k != "type"})
-  assert set(kinds) == {"keep", "scale", "smooth"}  # all three regimes are exercised
-  assert got.shape == (64,) and got.dtype == np.float32
-  np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
-
-
-def test_rope_inv_freq_unscaled():
-  got = rope_inv_freq(16, 10000.0, None)
-  want = [1.0 / 10000.0 ** (2 * i / 16) for i in range(8)]
-  np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
-
-
-def test_rope_inv_freq_linear_scaling_divides_every_frequency():
-  plain = rope_inv_freq(16, 1e6, None)
-  np.testing.assert_allclose(rope_inv_freq(16, 1e6, {"type": "linear", "factor": 8.0}),
-                             plain / 8, rtol=1e-6)
-
-
-def test_rope_scaling_from_run_config():
-  """The run config's rope_scaling group becomes hashable (key, value) pairs with its type."""
-  config = config_lib.default_config()
-  assert ModelConfig.from_config(config).arch.rope_scaling is None
-  config.model.rope_scaling.type = "linear"
-  assert ModelConfig.from_config(config).arch.rope_scaling == (("type", "linear"),
-                                                               ("factor", 8.0))
-  config.model.rope_scaling.type = "llama3"
-  scaling = ModelConfig.from_config(config).arch.rope_scaling
-  hash(scaling)
-  assert dict(scaling) == LLAMA3_SCALING
-  np.testing.assert_array_equal(rope_inv_freq(128, 500000.0, dict(scaling)),
-                                rope_inv_freq(128, 500000.0, LLAMA3_SCALING))
-
-
-def _rope_reference(x, positions, inv_freq):
-  """Hugging Face `rotate_half` form in float64: x * cos + rotate_half(x) * sin."""
-  x = np.asarray(x, np.float64)
-  angles = np.asarray(positions, np.float64)[..., None] * np.asarray(inv_freq, np.float64)
-  cos = np.concatenate([np.cos(angles)] * 2, axis=-1)[:, :, None]
-  sin = np.concatenate([np.sin(angles)] * 2, axis=-1)[:, :, None]
-  half = x.shape[-1] // 2
-  rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  return x * cos + rotated * sin
-
-
-@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING])
-def test_apply_rope_matches_reference_and_preserves_norm(scaling):
-  inv_freq = rope_inv_freq(32, 500000.0, scaling)
-  x = jax.random.normal(jax.random.key(0), (2, 12, 3, 32), jnp.float32)
-  positions = np.stack([np.arange(12), np.arange(100, 112)]).astype(np.int32)
-  out = np.asarray(apply_rope(x, positions, inv_freq))
-  assert out.shape == x.shape and out.dtype == np.float32
-  np.testing.assert_allclose(out, _rope_reference(x, positions, inv_freq), atol=1e-4, rtol=0)
-  np.testing.assert_allclose(np.linalg.norm(out, axis=-1), np.linalg.norm(np.asarray(x), axis=-1),
-                             rtol=1e-5)
-  # Position 0 is the identity.
-  np.testing.assert_allclose(out[0, 0], np.asarray(x)[0, 0], atol=1e-7)
-
-
-@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING])
-def test_apply_rope_is_relative(scaling):
-  """q·k after rotation depends only on the position difference."""
-  e = 64
-  inv_freq = rope_inv_freq(e, 10000.0, scaling)
-  kq, kk = jax.random.split(jax.random.key(1))
-  q = jax.random.normal(kq, (1, 1, 1, e), jnp.float32)
-  k = jax.random.normal(kk, (1, 1, 1, e), jnp.float32)
-
-  @jax.jit
-  def _score(m, n):
-    rq = apply_rope(q, jnp.reshape(m, (1, 1)), inv_freq)
-    rk = apply_rope(k, jnp.reshape(n, (1, 1)), inv_freq)
-    return jnp.sum(rq * rk)
-
-  def score(m, n):
-    return float(_score(jnp.int32(m), jnp.int32(n)))
-
-  for diff in (3, -5):
-    base = score(diff, 0) if diff >= 0 else score(0, -diff)
-    for offset in (7, 250):
-      m, n = (offset + diff, offset) if diff >= 0 else (offset, offset - diff)
-      assert score(m, n) == pytest.approx(base, rel=1e-5, abs=1e-5), (diff, offset)
-  # Not trivially constant: a different difference gives a different score.
-  assert abs(score(3, 0) - score(4, 0)) > 1e-2
