@@ -86,6 +86,34 @@ def default_config() -> ml_collections.ConfigDict:
   # Compute dtype; "auto": bfloat16 on accelerators (GPU, TPU), float32 on CPU.
   c.model.dtype = "auto"
 
+  # Mixture of Experts (jaxtrain/models/moe.py, docs/models.md): num_experts > 0 replaces the
+  # gated MLP of the MoE layers by num_experts gated MLPs of expert_mlp_dim each, of which a
+  # router picks experts_per_token per token (softmax over the experts, then the top k).
+  c.moe = ml_collections.ConfigDict()
+  c.moe.num_experts = 0  # 0: a dense model
+  c.moe.experts_per_token = 2
+  c.moe.expert_mlp_dim = 0  # each expert's hidden size (0: model.mlp_dim)
+  # Renormalize the top-k routing weights to sum to 1 (Mixtral always; Qwen3-MoE's
+  # norm_topk_prob); False keeps the softmax probabilities as they are.
+  c.moe.norm_topk_prob = True
+  # Which layers are MoE (Qwen3-MoE's config): layer i is, unless listed in dense_layers
+  # (comma-separated indices), when (i + 1) is a multiple of sparse_step. The others keep the
+  # dense MLP of model.mlp_dim.
+  c.moe.dense_layers = ""
+  c.moe.sparse_step = 1
+  # 0: dropless (every token reaches all its experts). > 0: each expert takes at most
+  # ceil(capacity_factor * tokens * k / num_experts) of the tokens each device routes (top-1
+  # choices first, then in order); the rest skip that expert (the residual carries them), and
+  # the share dropped is reported.
+  c.moe.capacity_factor = 0.0
+  # Auxiliary losses added to the objective (0: off): the Switch/Mixtral load-balancing loss
+  # (1.0 at perfect balance) and the router z-loss (mean squared logsumexp of router logits).
+  c.moe.aux_loss_coef = 0.01
+  c.moe.router_z_loss_coef = 0.001
+  # The experts' grouped matmul: "ragged" (jax.lax.ragged_dot: the TPU compiler's grouped
+  # kernel), "blocked" (a loop of GEMMs over expert-aligned row blocks: CPU, GPU), "auto".
+  c.moe.grouped_matmul = "auto"
+
   c.attention = ml_collections.ConfigDict()
   # xla (reference einsums), pallas (our flash-attention kernels: GPU, TPU), cudnn (GPU), auto
   # (cudnn on GPU, pallas on TPU, xla on CPU).
@@ -114,6 +142,10 @@ def default_config() -> ml_collections.ConfigDict:
   # Pipeline parallelism: the stacked layers are split into this many stages, one group of
   # devices each; activations pass from stage to stage (see c.pipeline, docs/parallelism.md).
   c.mesh.stage = 1
+  # Expert parallelism (MoE models): the experts of every MoE layer are split over this many
+  # devices, and tokens travel to their experts' devices and back by all-to-all. Outside the
+  # MoE layers it splits the batch like mesh.data (and shards the other weights like fsdp).
+  c.mesh.expert = 1
   c.mesh.tensor = 1
   # Multi-host: how many groups of hosts (TPU slices, else processes) the data, stage and fsdp
   # axes span over the data-center network; each group holds mesh.data/dcn_data x

@@ -13,8 +13,8 @@ from jaxtrain.dryrun import targets
 from jaxtrain.parallel.context_parallel import STRATEGIES as CONTEXT_STRATEGIES
 from jaxtrain import objectives
 from jaxtrain.parallel.pipeline import resolve_microbatches
-from jaxtrain.parallel.mesh import (DCN_AXES, MESH_AXES, MeshShape, check_divides,
-                           resolve_shape)
+from jaxtrain.parallel.mesh import (DCN_AXES, MESH_AXES, MeshShape, check_divides, param_dims,
+                                    resolve_shape)
 from jaxtrain.config import (ATTENTION_IMPLS, DTYPES, LORA_TARGETS, OBJECTIVES, REMAT_POLICIES,
                              ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError, lora_targets)
 from jaxtrain.models import registry
@@ -235,7 +235,7 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
 
   mesh = resolve_mesh_shape(config, num_devices)
   try:
-    check_divides(mesh, m)
+    check_divides(mesh, param_dims(config))
   except ValueError as e:
     raise ConfigError(str(e)) from None
   _check_context(config, mesh)

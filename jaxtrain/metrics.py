@@ -2,7 +2,7 @@
 
 Parameters and FLOPs per token come from the model (jaxtrain/models/cost.py: one definition for
 every family, from its architecture); the functions here take an Architecture
-(`ModelConfig.arch`, or `models.config.architecture_of(config.model)`).
+(`ModelConfig.arch`, or `models.config.architecture_of(config)`).
 
 MFU = tokens_per_sec * flops_per_token / (peak FLOP/s per device * number of devices). The peak
 comes from the accelerator table's dense bf16 figures (jaxtrain/dryrun/targets.py); on CPU it is

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxtrain import objectives
 from jaxtrain.cross_entropy import chunked_cross_entropy
+from jaxtrain.models import moe
 from jaxtrain.parallel.mesh import batch_sharding, replicated, shard
 from jaxtrain.objectives.lm import BATCH_KEYS  # the language-model batch (module docstring)
 from jaxtrain.parallel.pipeline import stage_count
@@ -55,23 +56,42 @@ def _hidden_states(model, batch: Batch, dropout_key):
   return model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"], **kwargs)
 
 
+def router_terms(model, count, *, training: bool = True):
+  """(loss sum to add, {metric: sum}) of an MoE model's router in its last forward pass, over
+  `count` loss units: its auxiliary losses weighted by moe.aux_loss_coef / router_z_loss_coef
+  (training only: evals report the objective's own loss) and its metrics, as sums so
+  accumulation and evals divide them by the count like the loss. Nothing for a dense model."""
+  router_stats = model.pop_router_stats()
+  if not router_stats:
+    return 0.0, {}
+  rt = model.cfg.runtime
+  extra, metrics = moe.objective_terms(router_stats, rt.moe_aux_loss_coef, rt.moe_z_loss_coef,
+                                       rt.moe_capacity_factor > 0)
+  return (extra * count if training else 0.0), {k: v * count for k, v in metrics.items()}
+
+
 def loss_sum_fn(params, graphdef, batch: Batch, loss_chunk_size: int, frozen=None,
-                dropout_key=None):
-  """(summed loss, token count) of a language-model batch under `params`."""
+                dropout_key=None, *, training: bool = True):
+  """(summed loss, token count, {metric: sum}) of a language-model batch under `params`; an MoE
+  model's loss includes its router's auxiliary losses when `training`."""
   model = merge_model(graphdef, params, frozen)
   batch = model.sequence_layout(batch)
   x_BTD = _hidden_states(model, batch, dropout_key)
   w, vocab_axis = model.head()
-  return chunked_cross_entropy(x_BTD, w, batch["targets"], batch["loss_mask"], loss_chunk_size,
-                               model.cfg.runtime.explicit_transpose_for_dw, vocab_axis)
+  loss_sum, count = chunked_cross_entropy(
+      x_BTD, w, batch["targets"], batch["loss_mask"], loss_chunk_size,
+      model.cfg.runtime.explicit_transpose_for_dw, vocab_axis)
+  extra, metrics = router_terms(model, count, training=training)
+  return loss_sum + extra, count, metrics
 
 
 def make_loss_sums(graphdef, *, objective="lm", loss_chunk_size: int = 512,
-                   dpo_beta: float = 0.1) -> tuple[Callable, Callable]:
+                   dpo_beta: float = 0.1, training: bool = True) -> tuple[Callable, Callable]:
   """(`constants(params, frozen, batch)`, `loss_sums(params, frozen, batch, constants,
   dropout_key) -> (loss sum, count, {metric: sum})`) of `objective` (an Objective, or its name
   with `dpo_beta` for "dpo"): see jaxtrain.objectives.base.Objective.loss_sums."""
-  return objectives.get(objective, dpo_beta=dpo_beta).loss_sums(graphdef, loss_chunk_size)
+  return objectives.get(objective, dpo_beta=dpo_beta).loss_sums(graphdef, loss_chunk_size,
+                                                                training=training)
 
 
 def _split_microbatches(batch: Batch, steps: int) -> Batch:
@@ -212,7 +232,8 @@ def make_eval_step(graphdef, loss_chunk_size: int = 512, *, objective: str = "lm
   """`eval_step(params, batch, frozen=None) -> (loss sum, count, {metric: sum})`; sum over
   batches, then divide by the summed count."""
   constants_fn, loss_sums = make_loss_sums(graphdef, objective=objective,
-                                           loss_chunk_size=loss_chunk_size, dpo_beta=dpo_beta)
+                                           loss_chunk_size=loss_chunk_size, dpo_beta=dpo_beta,
+                                           training=False)
 
   def eval_step(params, batch, frozen=None):
     return loss_sums(params, frozen, batch, constants_fn(params, frozen, batch), None)

@@ -77,7 +77,7 @@ def test_last_line_is_machine_readable_and_params_are_exact(fsdp2):
   text = "\n".join(lines)
   assert "ESTIMATE for accelerators" in text
   assert "compute bfloat16" in text  # model.dtype="auto" modelled as on an accelerator
-  assert "layers.mlp.w_up_DF" in text and "P('stage', ('fsdp', 'context'), 'tensor')" in text
+  assert "layers.mlp.w_up_DF" in text and "P('stage', ('fsdp', 'context', 'expert'), 'tensor')" in text
 
 
 def test_the_report_lists_the_largest_temporaries_at_the_memory_peak(fsdp2):

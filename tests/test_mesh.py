@@ -1,7 +1,6 @@
 """The mesh as data: axes by name, one resolver, divisibility rules derived from LOGICAL_RULES."""
 
 import dataclasses
-from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -15,7 +14,7 @@ def test_sizes_are_looked_up_by_name_and_unnamed_axes_are_1():
   shape = MeshShape(fsdp=4, tensor=2)
   assert shape["fsdp"] == shape.fsdp == 4 and shape["data"] == 1
   assert shape.items() == tuple((a, {"fsdp": 4, "tensor": 2}.get(a, 1)) for a in MESH_AXES)
-  assert shape.batch_shards == 4 and shape.describe() == "data=1 stage=1 fsdp=4 context=1 tensor=2"
+  assert shape.batch_shards == 4 and shape.describe() == "data=1 stage=1 fsdp=4 expert=1 context=1 tensor=2"
   assert MeshShape({"fsdp": 4}, tensor=2) == shape and hash(MeshShape(fsdp=4, tensor=2))
   with pytest.raises(ValueError, match="unknown mesh axes"):
     MeshShape(pipeline=2)
@@ -31,25 +30,30 @@ def test_resolve_fills_the_one_free_axis():
 
 
 def test_divisibility_rules_come_from_the_sharding_table():
-  model = SimpleNamespace(vocab_size=384, d_model=128, mlp_dim=384, num_heads=4, num_kv_heads=2)
-  check_divides(MeshShape(fsdp=4, tensor=2), model)
+  dims = {"model.vocab_size": 384, "model.d_model": 128, "model.mlp_dim": 384,
+          "model.num_heads": 4, "model.num_kv_heads": 2}
+  check_divides(MeshShape(fsdp=4, tensor=2), dims)
   # Every mesh axis that LOGICAL_RULES lets shard a parameter dim is checked against it.
   sharding = {dict(LOGICAL_RULES)[n] for n in ("vocab", "embed", "mlp", "heads", "kv_heads")}
-  assert sharding == {"tensor", ("fsdp", "context")}
+  assert sharding == {"tensor", ("fsdp", "context", "expert")}
   with pytest.raises(ValueError, match=r"mesh.tensor=4: does not divide model.num_kv_heads=2"):
-    check_divides(MeshShape(tensor=4), model)
+    check_divides(MeshShape(tensor=4), dims)
   with pytest.raises(ValueError, match=r"mesh.fsdp=3: does not divide model.d_model=128"):
-    check_divides(MeshShape(fsdp=3), model)
+    check_divides(MeshShape(fsdp=3), dims)
   # Axes that shard one dim together must divide it together: d_model over fsdp and context.
-  check_divides(MeshShape(fsdp=4, context=2), SimpleNamespace(**{**vars(model), "d_model": 8}))
+  check_divides(MeshShape(fsdp=4, context=2), {**dims, "model.d_model": 8})
   with pytest.raises(ValueError, match=r"mesh.fsdp\*mesh.context=4\*4=16: does not divide "
                                        r"model.d_model=8; use sizes whose product divides it"):
-    check_divides(MeshShape(fsdp=4, context=4), SimpleNamespace(**{**vars(model), "d_model": 8}))
+    check_divides(MeshShape(fsdp=4, context=4), {**dims, "model.d_model": 8})
+  # The experts of an MoE model split over `expert`; a dense model (no key, or 0) has none.
+  check_divides(MeshShape(expert=4, fsdp=2), {**dims, "moe.num_experts": 0})
+  with pytest.raises(ValueError, match=r"mesh.expert=3: does not divide moe.num_experts=8"):
+    check_divides(MeshShape(expert=3), {**dims, "model.d_model": 96, "moe.num_experts": 8})
 
 
 def test_make_mesh_defaults_to_fsdp_and_keeps_tensor_within_a_host_group():
   mesh = make_mesh(devices=jax.devices()[:4])
-  assert dict(mesh.shape) == {"data": 1, "stage": 1, "fsdp": 4, "context": 1, "tensor": 1}
+  assert dict(mesh.shape) == {"data": 1, "stage": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}
   assert mesh.axis_names == MESH_AXES and set(BATCH_AXES) <= set(MESH_AXES)
   with pytest.raises(ValueError, match="may span host groups"):
     make_mesh({"tensor": 8}, dcn={"tensor": 2})

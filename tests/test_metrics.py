@@ -20,7 +20,7 @@ def _model(**fields):
   c = config_lib.default_config()
   for key, value in fields.items():
     c.model[key] = value
-  return architecture_of(c.model)
+  return architecture_of(c)
 
 
 LLAMA_8B = dict(num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, head_dim=128,

@@ -318,9 +318,9 @@ def test_untied_param_count(base):
 
 MESH_CFG = ModelConfig.of(vocab_size=128, num_layers=2, d_model=64, num_heads=8, num_kv_heads=4,
                        head_dim=16, mlp_dim=128)
-# Weights named `embed` shard over fsdp and context, stacked layers over stage
+# Weights named `embed` shard over fsdp, context and expert, stacked layers over stage
 # (mesh.LOGICAL_RULES).
-EMBED = ("fsdp", "context")
+EMBED = ("fsdp", "context", "expert")
 EXPECTED_SPECS = {
     ("embed_VD",): P("tensor", EMBED),
     ("head_DV",): P(EMBED, "tensor"),

@@ -37,7 +37,7 @@ def test_language_model_batches_and_flops():
   assert set(shapes) == {"inputs", "targets", "loss_mask", "segment_ids", "positions"}
   assert shapes["inputs"] == ((b, t), jnp.int32) and shapes["loss_mask"] == ((b, t), jnp.float32)
   assert lm.tokens_per_step(config) == b * t
-  assert lm.flops_per_step(config) == metrics.flops_per_step(architecture_of(config.model), t, b)
+  assert lm.flops_per_step(config) == metrics.flops_per_step(architecture_of(config), t, b)
   assert measure.analytic_flops_per_step(config) == lm.flops_per_step(config)
   assert lm.metric_names == () and not lm.uses_reference
 
@@ -51,7 +51,7 @@ def test_dpo_batches_are_pairs_of_longer_rows_and_flops_add_the_reference_forwar
   assert shapes["chosen_loss_mask"][1] == jnp.float32
   assert shapes["rejected_input_ids"][1] == jnp.int32
   assert dpo.tokens_per_step(config) == 2 * b * (t + 1)
-  per_token = metrics.flops_per_token(architecture_of(config.model), t + 1)
+  per_token = metrics.flops_per_token(architecture_of(config), t + 1)
   assert dpo.flops_per_step(config) == pytest.approx(per_token * 4 / 3 * 2 * b * (t + 1))
   assert measure.analytic_tokens_per_step(config) == dpo.tokens_per_step(config)
   assert "reward_accuracy" in dpo.metric_names and dpo.unit == "pairs"

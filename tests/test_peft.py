@@ -384,8 +384,8 @@ def test_sharded_forward_matches_one_device(scheme):
   abstract = _assert_valid_shardings(cfg, mesh)
   layers = abstract["layers"]
   if scheme == "nf4":
-    assert layers["attn"]["wq_DHE"]["codes"].sharding.spec == P("stage", ("fsdp", "context"), "tensor", None)
-    assert layers["mlp"]["w_down_FD"]["scales"].sharding.spec == P("stage", "tensor", ("fsdp", "context"))
+    assert layers["attn"]["wq_DHE"]["codes"].sharding.spec == P("stage", ("fsdp", "context", "expert"), "tensor", None)
+    assert layers["mlp"]["w_down_FD"]["scales"].sharding.spec == P("stage", "tensor", ("fsdp", "context", "expert"))
   assert layers["attn"]["lora_o"]["a_IR"].sharding.spec == P("stage", "tensor", None, None)
   assert layers["mlp"]["lora_gate"]["b_RO"].sharding.spec == P("stage", None, "tensor")
   assert peft.check_mesh(cfg, mesh)

@@ -89,7 +89,7 @@ def from_jaxtrain_config(config, *, dtype: str, bos_id: int | None = None,
     raise HFFormatError(f"model.d_model={m.d_model}: transformers requires hidden_size to be "
                         f"divisible by num_attention_heads={m.num_heads}")
   defaults = defaults_of(family)
-  sliding = list(architecture_of(m).sliding_layers())
+  sliding = list(architecture_of(config).sliding_layers())
   _check_expressible(m, family, sliding)
   act_key = "hidden_activation" if "hidden_activation" in defaults else "hidden_act"
   hf = {

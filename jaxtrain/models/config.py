@@ -50,6 +50,15 @@ class Architecture:
   local_rope_theta: float = 0.0
   # The softmax scale is query_pre_attn_scalar ** -0.5; 0: head_dim ** -0.5.
   query_pre_attn_scalar: float = 0.0
+  # Mixture of Experts (models/moe.py): num_experts > 0 gives the MoE layers num_experts gated
+  # MLPs of expert_mlp_dim (0: mlp_dim), experts_per_token of them per token. A layer is MoE
+  # unless listed in dense_layers, when (i + 1) is a multiple of sparse_step.
+  num_experts: int = 0
+  experts_per_token: int = 2
+  expert_mlp_dim: int = 0
+  norm_topk_prob: bool = True
+  dense_layers: tuple[int, ...] = ()
+  sparse_step: int = 1
 
   @property
   def features(self) -> Features:
@@ -63,6 +72,16 @@ class Architecture:
       return (True,) * self.num_layers
     return tuple(t == SLIDING for t in self.layer_types)
 
+  def moe_layers(self) -> tuple[bool, ...]:
+    """Whether each layer's feed-forward block is the MoE one."""
+    return tuple(bool(self.num_experts) and i not in self.dense_layers
+                 and (i + 1) % self.sparse_step == 0 for i in range(self.num_layers))
+
+  @property
+  def expert_dim(self) -> int:
+    """Each expert's hidden size."""
+    return self.expert_mlp_dim or self.mlp_dim
+
   @property
   def sm_scale(self) -> float:
     return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
@@ -74,6 +93,10 @@ class Architecture:
     sliding = sum(self.sliding_layers())
     if sliding:
       out += f", window {self.sliding_window} on {sliding} of {self.num_layers} layers"
+    moe = sum(self.moe_layers())
+    if moe:
+      out += (f", {self.num_experts} experts of F={self.expert_dim} (top {self.experts_per_token})"
+              f" on {moe} of {self.num_layers} layers")
     return out
 
 
@@ -91,6 +114,12 @@ class Runtime:
   # (peft.projection.dense): faster GEMMs on XLA:CPU. from_config sets it for the CPU platform
   # only; on accelerators XLA picks operand layouts itself.
   explicit_transpose_for_dw: bool = False
+  # MoE layers: capacity factor (0: dropless), the grouped matmul's route (grouped_matmul.py),
+  # and the weights of the router's auxiliary losses in the objective.
+  moe_capacity_factor: float = 0.0
+  moe_grouped_matmul: str = "auto"
+  moe_aux_loss_coef: float = 0.0
+  moe_z_loss_coef: float = 0.0
   # What the model compiles for ("cpu", "gpu", "tpu"): it picks the attention kernel's route.
   # The mesh's devices decide it (train_setup.build), not the process's default backend, so a
   # CPU process compiles the GPU or TPU program for a deviceless target.
@@ -168,7 +197,7 @@ class ModelConfig:
     from jaxtrain.config import lora_targets, resolve_compute_dtype
     from jaxtrain.parallel.mesh import platform_of_backend
 
-    m, a, p = config.model, config.attention, config.pipeline
+    m, a, p, moe = config.model, config.attention, config.pipeline, config.moe
     platform = platform_of_backend(platform or jax.default_backend())
     peft = Adapters()
     # Rank 0 maps to the default fields, so a plain run config gives the plain ModelConfig.
@@ -181,12 +210,16 @@ class ModelConfig:
                       attention_impl=a.impl, attention_interpret=a.interpret,
                       attention_blocks=(a.block_q, a.block_k), param_dtype=m.param_dtype,
                       dtype=resolve_compute_dtype(m.dtype, platform),
-                      explicit_transpose_for_dw=platform == "cpu", platform=platform)
+                      explicit_transpose_for_dw=platform == "cpu", platform=platform,
+                      moe_capacity_factor=float(moe.capacity_factor),
+                      moe_grouped_matmul=moe.grouped_matmul,
+                      moe_aux_loss_coef=float(moe.aux_loss_coef),
+                      moe_z_loss_coef=float(moe.router_z_loss_coef))
     parallel = Parallelism(context_parallel=a.context_parallel,
                            context_load_balance=bool(a.load_balance),
                            pipeline_microbatches=p.microbatches, pipeline_repeats=p.repeats,
                            pipeline_gather_weights_once=p.gather_weights_once)
-    return cls(arch=architecture_of(m), runtime=runtime, parallel=parallel, peft=peft)
+    return cls(arch=architecture_of(config), runtime=runtime, parallel=parallel, peft=peft)
 
 
 def rope_scaling_of(model_group) -> tuple[tuple[str, Any], ...] | None:
@@ -206,10 +239,24 @@ def parse_layer_types(value: str) -> tuple[str, ...]:
   return tuple(t.strip() for t in value.split(",") if t.strip())
 
 
-def architecture_of(model_group) -> Architecture:
-  """The Architecture of the run config's `model` group."""
-  m = model_group
-  return Architecture(
+def parse_layer_indices(value: str) -> tuple[int, ...]:
+  """config.moe.dense_layers ("0,1,2", or "") as a tuple of ints."""
+  return tuple(int(i.strip()) for i in str(value).split(",") if i.strip())
+
+
+def architecture_of(config) -> Architecture:
+  """The Architecture of a run config: its `model` group, and its `moe` group when
+  moe.num_experts > 0."""
+  m, moe_group = config.model, config.get("moe")
+  moe = {}
+  if moe_group is not None and moe_group.num_experts:
+    moe = dict(num_experts=int(moe_group.num_experts),
+               experts_per_token=int(moe_group.experts_per_token),
+               expert_mlp_dim=int(moe_group.expert_mlp_dim),
+               norm_topk_prob=bool(moe_group.norm_topk_prob),
+               dense_layers=parse_layer_indices(moe_group.dense_layers),
+               sparse_step=int(moe_group.sparse_step))
+  return Architecture(**moe,
       family=m.family, vocab_size=m.vocab_size, num_layers=m.num_layers, d_model=m.d_model,
       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
       mlp_dim=m.mlp_dim, norm_eps=m.norm_eps, rope_theta=m.rope_theta,

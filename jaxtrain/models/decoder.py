@@ -42,25 +42,49 @@ def _uniform(values: tuple[bool, ...]) -> bool | None:
   return values[0] if len(set(values)) == 1 else None
 
 
+def check_layer_kinds(arch) -> None:
+  """ValueError unless the MoE layers can be stacked: all of them, or all after a dense prefix
+  (scanned layers share one structure per stack)."""
+  moe = arch.moe_layers()
+  first = moe.index(True) if any(moe) else len(moe)
+  if not all(moe[first:]):
+    dense = [i for i, m in enumerate(moe) if not m]
+    raise ValueError(f"dense layers {dense} among the MoE layers: with model.scan_layers=True "
+                     f"the dense layers must come first (moe.dense_layers=0,...,k-1 and "
+                     f"moe.sparse_step=1); use model.scan_layers=False for other patterns")
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, sliding: tuple[bool, ...], moe: bool):
+  """len(sliding) blocks stacked on a leading `layers` axis. A stacked layer cannot hold its own
+  type as a static value: with both types in the stack, each call gets it from `layer_inputs`
+  (a traced bool)."""
+  @nnx.split_rngs(splits=len(sliding))
+  @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+  def make_stack(rngs):
+    return Block(cfg, rngs, _uniform(sliding), moe)
+  return make_stack(rngs)
+
+
 class Decoder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     lora_lib.check_config(cfg.peft, cfg.arch)
+    if cfg.runtime.scan_layers:
+      check_layer_kinds(cfg.arch)
     self.cfg = cfg
     a = cfg.arch
     self.embed_VD = param(rngs, (a.vocab_size, a.d_model), ("vocab", "embed"), a.init_std,
                           jnp.dtype(cfg.runtime.param_dtype))
-    sliding = a.sliding_layers()
+    sliding, moe = a.sliding_layers(), a.moe_layers()
     if cfg.runtime.scan_layers:
-      # A stacked layer cannot hold its own type as a static value: with both types in the
-      # stack, each call gets it from `layer_inputs` (a traced bool).
-      @nnx.split_rngs(splits=a.num_layers)
-      @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-      def make_stack(rngs):
-        return Block(cfg, rngs, _uniform(sliding))
-      self.layers = make_stack(rngs)
+      # One stacked module per run of layers with the same feed-forward block: all of them, or
+      # a dense prefix (`dense_layers`, as DeepSeek's first layers) and the MoE rest.
+      first_moe = moe.index(True) if any(moe) else 0
+      if first_moe:
+        self.dense_layers = _stacked_blocks(cfg, rngs, sliding[:first_moe], moe=False)
+      self.layers = _stacked_blocks(cfg, rngs, sliding[first_moe:], moe=any(moe))
     else:
-      self.layers = nnx.List([Block(cfg, rngs, s) for s in sliding])
+      self.layers = nnx.List([Block(cfg, rngs, s, m) for s, m in zip(sliding, moe)])
     self.final_norm = norm(cfg, a.d_model)
     if not a.tie_embeddings:
       self.head_DV = param(rngs, (a.d_model, a.vocab_size), ("embed", "vocab"), a.init_std,
@@ -86,10 +110,20 @@ class Decoder(nnx.Module):
       x_BTD = x_BTD * jnp.asarray(math.sqrt(self.cfg.arch.d_model), x_BTD.dtype)
     return x_BTD
 
-  def _layer_types(self) -> np.ndarray | None:
-    """Each stacked layer's `sliding` flag [L] when the stack mixes both types, else None (each
-    layer knows its own)."""
-    sliding = self.cfg.arch.sliding_layers()
+  def _stacks(self):
+    """[(stacked or listed layers, first layer, end)] in order: the dense prefix's stack, if
+    any, then `layers`."""
+    num_layers = self.cfg.arch.num_layers
+    dense = getattr(self, "dense_layers", None)
+    if dense is None:
+      return [(self.layers, 0, num_layers)]
+    first_moe = self.cfg.arch.moe_layers().index(True)
+    return [(dense, 0, first_moe), (self.layers, first_moe, num_layers)]
+
+  def _layer_types(self, start: int, end: int) -> np.ndarray | None:
+    """Each stacked layer's `sliding` flag [end - start] when the stack mixes both types, else
+    None (each layer knows its own)."""
+    sliding = self.cfg.arch.sliding_layers()[start:end]
     if not self.cfg.runtime.scan_layers or _uniform(sliding) is not None:
       return None
     return np.asarray(sliding)
@@ -111,6 +145,9 @@ class Decoder(nnx.Module):
 
     `dropout_key`: LoRA dropout (training); None (eval, generation) runs without. Each layer
     gets its own key from it, and each adapter folds in its projection's index.
+
+    An MoE model keeps its layers' router statistics (models/moe.py) from the call, for the
+    objective to take with `pop_router_stats`.
     """
     cfg = self.cfg
     b, t = tokens_BT.shape
@@ -120,14 +157,33 @@ class Decoder(nnx.Module):
     # weight: a gather from a vocab-sharded table makes XLA replicate the result instead.
     table_VD = shard(self.embed_VD[...].astype(cfg.runtime.dtype), (None, None))
     x_BTD = shard(self._embed(table_VD, tokens_BT), ("act_batch", "act_length", "act_embed"))
-    layer_inputs = {}
+    dropout_keys = None
     if dropout_key is not None and cfg.peft.lora_rank > 0 and cfg.peft.lora_dropout > 0:
-      layer_inputs["dropout_key"] = jax.random.split(dropout_key, cfg.arch.num_layers)
-    if (sliding := self._layer_types()) is not None:
-      layer_inputs["sliding"] = sliding
-    x_BTD = layer_stack.run_layers(self.layers, x_BTD, positions_BT, segment_ids_BT,
-                                   layer_inputs, stack_options(cfg))
+      dropout_keys = jax.random.split(dropout_key, cfg.arch.num_layers)
+    stats = []
+    for layers, start, end in self._stacks():
+      layer_inputs = {}
+      if dropout_keys is not None:
+        layer_inputs["dropout_key"] = dropout_keys[start:end]
+      if (sliding := self._layer_types(start, end)) is not None:
+        layer_inputs["sliding"] = sliding
+      x_BTD, layer_stats = layer_stack.run_layers(layers, x_BTD, positions_BT, segment_ids_BT,
+                                                  layer_inputs, stack_options(cfg))
+      if layer_stats:
+        stats.append(layer_stats)
+    if stats:
+      self.sow(nnx.Intermediate, "router_stats",
+               jax.tree.map(lambda *s: jnp.concatenate(s), *stats))
     return self.final_norm(x_BTD)
+
+  def pop_router_stats(self) -> dict:
+    """The MoE layers' router statistics of the last `hidden_states` call, each stacked
+    [L_moe, ...], removed from the model; {} for a dense model (or when none are kept)."""
+    kept = nnx.pop(self, nnx.Intermediate)
+    sown = kept.get("router_stats") if "router_stats" in kept else None
+    if sown is None:
+      return {}
+    return sown[-1] if isinstance(sown, tuple) else sown.value[-1]
 
   def empty_cache(self, batch: int, length: int) -> dict[str, jax.Array]:
     """A KV cache for `batch` rows of `length` positions: {"k", "v"}, [L, B, S, K, E] each."""
@@ -146,16 +202,7 @@ class Decoder(nnx.Module):
     cfg = self.cfg
     positions_BC = start_B[:, None] + jnp.arange(tokens_BC.shape[1], dtype=jnp.int32)[None]
     x_BCD = self._embed(self.embed_VD[...].astype(cfg.runtime.dtype), tokens_BC)
-    if cfg.runtime.scan_layers:
-      sliding = self._layer_types()
-
-      @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, None if sliding is None else 0),
-                out_axes=(nnx.Carry, 0, 0), transform_metadata={nnx.PARTITION_NAME: "layers"})
-      def run_stack(x_BCD, block, cache_k, cache_v, sliding):
-        return block.decode(x_BCD, positions_BC, cache_k, cache_v, start_B, sliding)
-
-      x_BCD, new_k, new_v = run_stack(x_BCD, self.layers, cache["k"], cache["v"], sliding)
-    else:
+    if not cfg.runtime.scan_layers:
       ks, vs = [], []
       for i, block in enumerate(self.layers):
         x_BCD, k_i, v_i = block.decode(x_BCD, positions_BC, cache["k"][i], cache["v"][i],
@@ -163,6 +210,26 @@ class Decoder(nnx.Module):
         ks.append(k_i)
         vs.append(v_i)
       new_k, new_v = jnp.stack(ks), jnp.stack(vs)
+    else:
+      ks, vs = [], []
+      stacks = self._stacks()
+      for layers, start, end in stacks:
+        sliding = self._layer_types(start, end)
+        # One stack takes the cache whole (no slice: the decode loop updates it in place).
+        cache_k, cache_v = ((cache["k"], cache["v"]) if len(stacks) == 1
+                            else (cache["k"][start:end], cache["v"][start:end]))
+
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, None if sliding is None else 0),
+                  out_axes=(nnx.Carry, 0, 0),
+                  transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def run_stack(x_BCD, block, cache_k, cache_v, sliding):
+          return block.decode(x_BCD, positions_BC, cache_k, cache_v, start_B, sliding)
+
+        x_BCD, k, v = run_stack(x_BCD, layers, cache_k, cache_v, sliding)
+        ks.append(k)
+        vs.append(v)
+      new_k, new_v = (ks[0], vs[0]) if len(ks) == 1 else (jnp.concatenate(ks),
+                                                          jnp.concatenate(vs))
     x_BCD = self.final_norm(x_BCD)
     logits_BCV = jnp.einsum("BCD,DV->BCV", x_BCD, self.head_weights(),
                             preferred_element_type=jnp.float32)

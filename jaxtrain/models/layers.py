@@ -4,7 +4,7 @@ Every family (models/features.py) is this layer with some switches on; each swit
 exactly one place below. Every parameter names its dims with logical axes (see
 parallel/mesh.LOGICAL_RULES); activation constraints go through `mesh.shard`, a no-op without a
 mesh. Shape letters: B batch, T length, C new tokens (decode), S cache length, D model dim,
-H query heads, K kv heads, E head dim, F mlp dim.
+H query heads, K kv heads, E head dim, F mlp dim (an expert's, in MoE), X experts.
 
 Fine-tuning (jaxtrain/peft): with lora_rank > 0 each targeted projection gets a LoRA adapter
 (`lora_<target>` beside its weight); with base_quant != "none" the seven projection weights are
@@ -23,8 +23,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain import attention as attention_lib
+from jaxtrain.grouped_matmul import resolve_impl
+from jaxtrain.models import moe as moe_lib
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.rope import apply_rope, rope_inv_freq
+from jaxtrain.parallel import expert_parallel
 from jaxtrain.parallel.mesh import shard
 from jaxtrain.peft import lora as lora_lib
 from jaxtrain.peft.projection import project
@@ -233,24 +236,63 @@ class MLP(nnx.Module):
     return checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")), "mlp_down")
 
 
-class Block(nnx.Module):
-  """Pre-norm residual block; with sandwich norms (Gemma 3) each sublayer's output is normed too."""
+class MoE(nnx.Module):
+  """Mixture of Experts in the MLP's place (models/moe.py): a router [D, X] and X gated MLPs
+  stored as [X, D, F] / [X, F, D] stacks, run by parallel/expert_parallel.moe_layer."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sliding: bool | None = False):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    a, rt = cfg.arch, cfg.runtime
+    d, f, x = a.d_model, a.expert_dim, a.num_experts
+    out_std = a.init_std / math.sqrt(2 * a.num_layers)
+    dtype = jnp.dtype(rt.param_dtype)
+    # The router stays in the param dtype: its logits are computed in float32.
+    self.router_DX = param(rngs, (d, x), ("embed", None), a.init_std, dtype)
+    up = (x, d, f), ("experts", "expert_embed", "expert_mlp")
+    down = (x, f, d), ("experts", "expert_mlp", "expert_embed")
+    self.w_gate_XDF = param(rngs, *up, a.init_std, dtype)
+    self.w_up_XDF = param(rngs, *up, a.init_std, dtype)
+    self.w_down_XFD = param(rngs, *down, out_std, dtype)
+    self.routing = moe_lib.Routing(
+        num_experts=x, top_k=a.experts_per_token, norm_topk_prob=a.norm_topk_prob,
+        capacity_factor=rt.moe_capacity_factor, activation=a.features.mlp_activation,
+        matmul_impl=resolve_impl(rt.moe_grouped_matmul, rt.platform), dtype=rt.dtype)
+
+  def __call__(self, x_BTD, mask_BT):
+    """(out_BTD, the layer's router statistics); `mask_BT`: the tokens the statistics count."""
+    dtype = self.routing.dtype
+    out_BTD, stats = expert_parallel.moe_layer(
+        x_BTD, mask_BT, self.router_DX[...], self.w_gate_XDF[...].astype(dtype),
+        self.w_up_XDF[...].astype(dtype), self.w_down_XFD[...].astype(dtype), self.routing)
+    return checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")),
+                           "mlp_down"), stats
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block; with sandwich norms (Gemma 3) each sublayer's output is normed too.
+  `moe`: the feed-forward block is the Mixture of Experts. Calls return (x, router statistics),
+  the statistics empty for a dense block."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sliding: bool | None = False,
+               moe: bool = False):
     d = cfg.arch.d_model
     sandwich = cfg.arch.features.sandwich_norms
     self.attn_norm = norm(cfg, d)
     self.attn = Attention(cfg, rngs, sliding)
     self.post_attn_norm = norm(cfg, d) if sandwich else None
     self.mlp_norm = norm(cfg, d)
-    self.mlp = MLP(cfg, rngs)
+    self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
     self.post_mlp_norm = norm(cfg, d) if sandwich else None
 
-  def _mlp_residual(self, x_BTD, dropout_key=None):
-    out_BTD = self.mlp(self.mlp_norm(x_BTD), dropout_key)
+  def _mlp_residual(self, x_BTD, mask_BT=None, dropout_key=None):
+    if isinstance(self.mlp, MoE):
+      if mask_BT is None:
+        mask_BT = jnp.ones(x_BTD.shape[:2], bool)
+      out_BTD, stats = self.mlp(self.mlp_norm(x_BTD), mask_BT)
+    else:
+      out_BTD, stats = self.mlp(self.mlp_norm(x_BTD), dropout_key), {}
     if self.post_mlp_norm is not None:
       out_BTD = self.post_mlp_norm(out_BTD)
-    return x_BTD + out_BTD
+    return x_BTD + out_BTD, stats
 
   def _attn_residual(self, x_BTD, out_BTD):
     if self.post_attn_norm is not None:
@@ -259,9 +301,11 @@ class Block(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None, sliding=None):
     out_BTD = self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, dropout_key, sliding)
-    return self._mlp_residual(self._attn_residual(x_BTD, out_BTD), dropout_key)
+    mask_BT = None if segment_ids_BT is None else segment_ids_BT > 0  # padding routes, uncounted
+    return self._mlp_residual(self._attn_residual(x_BTD, out_BTD), mask_BT, dropout_key)
 
   def decode(self, x_BCD, positions_BC, cache_k_BSKE, cache_v_BSKE, start_B, sliding=None):
     out_BCD, cache_k_BSKE, cache_v_BSKE = self.attn.decode(
         self.attn_norm(x_BCD), positions_BC, cache_k_BSKE, cache_v_BSKE, start_B, sliding)
-    return self._mlp_residual(self._attn_residual(x_BCD, out_BCD)), cache_k_BSKE, cache_v_BSKE
+    x_BCD, _ = self._mlp_residual(self._attn_residual(x_BCD, out_BCD))
+    return x_BCD, cache_k_BSKE, cache_v_BSKE

@@ -86,7 +86,7 @@ class Objective(abc.ABC):
     """Analytic FLOPs of one step: 6 per parameter-matmul weight and token plus attention
     (metrics.flops_per_token), over `tokens_per_step`; one definition for the meter, the run
     table and the dry run. `model_config` (a ModelConfig) defaults to the config's model."""
-    arch = architecture_of(config.model) if model_config is None else model_config.arch
+    arch = architecture_of(config) if model_config is None else model_config.arch
     per_token = metrics.flops_per_token(arch, self.row_length(config.train.seq_len))
     return per_token * self.tokens_per_step(config)
 
@@ -99,9 +99,10 @@ class Objective(abc.ABC):
     return ""
 
   @abc.abstractmethod
-  def loss_sums(self, graphdef, loss_chunk_size: int) -> LossSums:
+  def loss_sums(self, graphdef, loss_chunk_size: int, *, training: bool = True) -> LossSums:
     """(`constants(params, frozen, batch)`, `loss_sums(params, frozen, batch, constants,
-    dropout_key) -> (loss sum, count, {metric: sum})`).
+    dropout_key) -> (loss sum, count, {metric: sum})`). `training`: the loss that is
+    differentiated (with an MoE model's router losses), else the one evals report.
 
     `constants` is what the loss needs but never differentiates (e.g. a reference's
     log-probs), computed outside the differentiated function. Sums are over the objective's

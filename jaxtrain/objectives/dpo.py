@@ -48,8 +48,9 @@ class DPO(Objective):
   def flops_note(self):
     return " × 4/3 (DPO: the reference's forward)"
 
-  def loss_sums(self, graphdef, loss_chunk_size):
-    from jaxtrain.train_step import merge_model  # pylint: disable=import-outside-toplevel
+  def loss_sums(self, graphdef, loss_chunk_size, *, training=True):
+    # pylint: disable-next=import-outside-toplevel
+    from jaxtrain.train_step import merge_model, router_terms
     beta = self.beta
 
     def reference_logprobs(params, frozen, batch):
@@ -58,8 +59,11 @@ class DPO(Objective):
 
     def sums(params, frozen, batch, reference, dropout_key):
       policy = merge_model(graphdef, params, frozen)
-      return dpo_lib.dpo_sums(policy, reference, batch, beta, chunk_size=loss_chunk_size,
-                              dropout_key=dropout_key)
+      loss_sum, count, metrics = dpo_lib.dpo_sums(policy, reference, batch, beta,
+                                                  chunk_size=loss_chunk_size,
+                                                  dropout_key=dropout_key)
+      extra, router_metrics = router_terms(policy, count, training=training)
+      return loss_sum + extra, count, {**metrics, **router_metrics}
     return reference_logprobs, sums
 
   def data_module(self):

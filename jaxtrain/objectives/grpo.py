@@ -143,8 +143,9 @@ class GRPO(Objective):
     return (f" × {1 + self.forward_passes() / 3:.3g} (GRPO: reference, generation at full "
             f"length, old log-probs)")
 
-  def loss_sums(self, graphdef, loss_chunk_size):
-    from jaxtrain.train_step import merge_model  # pylint: disable=import-outside-toplevel
+  def loss_sums(self, graphdef, loss_chunk_size, *, training=True):
+    # pylint: disable-next=import-outside-toplevel
+    from jaxtrain.train_step import merge_model, router_terms
     epsilon, beta, reuse = self.epsilon, self.beta, self.num_iterations > 1
 
     def reference_logprobs(params, frozen, batch):
@@ -164,9 +165,11 @@ class GRPO(Objective):
       # of the ratio = gradient of the log-probs).
       old_BT = rows[grpo_lib.OLD_LOGPROBS] if reuse else jax.lax.stop_gradient(logprobs_BT)
       ref_BT = logprobs_BT if ref_logprobs_BT is None else ref_logprobs_BT
-      return grpo_lib.grpo_sums(logprobs_BT, old_BT, jax.lax.stop_gradient(ref_BT),
-                                rows["advantages"], rows["loss_mask"], epsilon=epsilon,
-                                beta=beta)
+      loss_sum, count, metrics = grpo_lib.grpo_sums(
+          logprobs_BT, old_BT, jax.lax.stop_gradient(ref_BT), rows["advantages"],
+          rows["loss_mask"], epsilon=epsilon, beta=beta)
+      extra, router_metrics = router_terms(policy, count, training=training)
+      return loss_sum + extra, count, {**metrics, **router_metrics}
     return reference_logprobs, sums
 
   def data_module(self):

@@ -18,14 +18,13 @@ class LanguageModel(Objective):
     b, t = config.train.global_batch_size, config.train.seq_len
     return {k: ((b, t), jnp.float32 if k == "loss_mask" else jnp.int32) for k in BATCH_KEYS}
 
-  def loss_sums(self, graphdef, loss_chunk_size):
+  def loss_sums(self, graphdef, loss_chunk_size, *, training=True):
     from jaxtrain.train_step import loss_sum_fn  # pylint: disable=import-outside-toplevel
 
     def sums(params, frozen, batch, constants, dropout_key):
       del constants
-      loss_sum, count = loss_sum_fn(params, graphdef, batch, loss_chunk_size, frozen,
-                                    dropout_key)
-      return loss_sum, count, {}
+      return loss_sum_fn(params, graphdef, batch, loss_chunk_size, frozen, dropout_key,
+                         training=training)
     return (lambda params, frozen, batch: None), sums
 
   def data_module(self):

@@ -12,7 +12,9 @@ what one layer needs besides its input; `run_layers` owns the rest:
 
 Every layer is called as `layer(x_BTD, positions_BT, segment_ids_BT, **inputs)`, where `inputs`
 holds this layer's row of each per-layer array the model hands over (a dropout key, the layer's
-type), so a new model family gets scanning, remat and pipelining without code of its own. The context layout
+type), and returns `(x_BTD, stats)`: a dict of per-layer figures (an MoE layer's router
+statistics; empty for a dense layer), which come back stacked on a leading layer axis. So a new
+model family gets scanning, remat and pipelining without code of its own. The context layout
 (context_parallel) applies to the sequence before the layers and needs nothing here.
 """
 
@@ -42,12 +44,13 @@ class StackOptions:
 
 
 def run_layers(layers, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT,
-               layer_inputs: dict[str, Any], options: StackOptions) -> jax.Array:
-  """x_BTD through every layer; each array [L, ...] of `layer_inputs` goes one row per layer,
-  as the keyword argument of its name."""
+               layer_inputs: dict[str, Any], options: StackOptions):
+  """(x_BTD through every layer, the layers' stats stacked [L, ...]); each array [L, ...] of
+  `layer_inputs` goes one row per layer, as the keyword argument of its name."""
   stages = pipeline_lib.stage_count()
   if stages > 1:
-    return _pipelined(layers, x_BTD, positions_BT, segment_ids_BT, layer_inputs, options, stages)
+    return _pipelined(layers, x_BTD, positions_BT, segment_ids_BT, layer_inputs, options,
+                      stages), {}
 
   def layer_fn(layer, x_BTD, inputs):
     return layer(x_BTD, positions_BT, segment_ids_BT, **inputs)
@@ -56,14 +59,17 @@ def run_layers(layers, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT
     layer_fn = nnx.remat(layer_fn, policy=options.policy, prevent_cse=not options.scan_layers)
   if options.scan_layers:
     # The per-layer inputs are scanned over with the layers (none: nothing to scan).
-    @nnx.scan(in_axes=(nnx.Carry, 0, 0 if layer_inputs else None), out_axes=nnx.Carry,
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0 if layer_inputs else None), out_axes=(nnx.Carry, 0),
               transform_metadata={nnx.PARTITION_NAME: "layers"})
     def run_stack(x_BTD, layer, inputs):
       return layer_fn(layer, x_BTD, inputs)
     return run_stack(x_BTD, layers, layer_inputs)
+  all_stats = []
   for i, layer in enumerate(layers):
-    x_BTD = layer_fn(layer, x_BTD, {name: a[i] for name, a in layer_inputs.items()})
-  return x_BTD
+    x_BTD, stats = layer_fn(layer, x_BTD, {name: a[i] for name, a in layer_inputs.items()})
+    if stats:  # dense layers have none
+      all_stats.append(stats)
+  return x_BTD, jax.tree.map(lambda *rows: jax.numpy.stack(rows), *all_stats) if all_stats else {}
 
 
 def _pipelined(layers, x_BTD, positions_BT, segment_ids_BT, layer_inputs,
@@ -83,7 +89,8 @@ def _pipelined(layers, x_BTD, positions_BT, segment_ids_BT, layer_inputs,
 
   def layer(x_BTD, layer_state, carried):
     block = nnx.merge(graphdef, layer_state)
-    return block(x_BTD, carried["positions"], carried["segment_ids"], **carried["inputs"])
+    # Dense layers only (config_checks refuses MoE layers under stages): no stats to carry.
+    return block(x_BTD, carried["positions"], carried["segment_ids"], **carried["inputs"])[0]
   if options.remat:
     layer = jax.checkpoint(layer, policy=options.stage_policy, prevent_cse=False)
 

@@ -5,7 +5,12 @@ Parallelism is data here, not code: params and activations name their dims logic
 parallelism are rows of this table; a new parallelism adds a mesh axis and rows.
 
 Axis order is device order: later axes are laid over the closest devices, so `tensor` (a
-collective per matmul) and `context` (K/V exchanges per layer) get the fastest links.
+collective per matmul), `context` (K/V exchanges per layer) and `expert` (two all-to-alls per
+MoE layer) get the fastest links.
+
+The `expert` axis splits a Mixture-of-Experts layer's experts (parallel/expert_parallel.py moves
+the tokens to them and back); everywhere else it is one more data-parallel axis: it splits the
+batch, and the weights outside the experts are sharded over it as over fsdp.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "stage", "fsdp", "context", "tensor")
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "stage", "fsdp", "expert", "context", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")
 # The axes that may span host groups over the data-center network (mesh.dcn_*): the batch axes,
 # whose collectives are one gradient reduction a step, and pipeline stages, which pass one
 # microbatch's activations between neighbours.
@@ -30,9 +35,10 @@ DCN_AXES = ("data", "stage", "fsdp")
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # parameters
     ("vocab", "tensor"),
-    # Weights are sharded over `context` as over fsdp: a context-parallel run holds no more
-    # weight bytes per device than an fsdp run on as many devices.
-    ("embed", ("fsdp", "context")),
+    # Weights are sharded over `context` and `expert` as over fsdp: a context- or
+    # expert-parallel run holds no more weight bytes per device than an fsdp run on as many
+    # devices.
+    ("embed", ("fsdp", "context", "expert")),
     ("mlp", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -40,7 +46,12 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("norm", None),
     # Pipeline stages: each holds a contiguous group of the stacked layers (jaxtrain.parallel.pipeline).
     ("layers", "stage"),
-    ("lora_rank", None),  # LoRA adapters: the rank dim is small; shard only their I/O dims
+    ("lora_rank", None),
+    # MoE experts [X, D, F]: the experts split over `expert`; inside an expert, D is stored
+    # sharded like `embed` (less the expert axis, which the expert dim holds) and F like `mlp`.
+    ("experts", "expert"),
+    ("expert_embed", ("fsdp", "context")),
+    ("expert_mlp", "tensor"),  # LoRA adapters: the rank dim is small; shard only their I/O dims
     # activations: the batch is split over every data-parallel axis and the sequence over
     # `context`; the model dim is whole on each device between layers (fsdp gathers weights,
     # not activations).
@@ -91,7 +102,7 @@ class MeshShape:
     return tuple(zip(MESH_AXES, self._sizes))
 
   def describe(self) -> str:
-    """"data=1 stage=1 fsdp=8 context=1 tensor=1": for run tables and messages."""
+    """"data=1 stage=1 fsdp=8 expert=1 context=1 tensor=1": for run tables and messages."""
     return " ".join(f"{a}={s}" for a, s in self.items())
 
   @property
@@ -131,28 +142,40 @@ def resolve_shape(requested: Mapping[str, int], num_devices: int) -> MeshShape:
   return MeshShape(sizes)
 
 
-# The model dim each sharded parameter axis labels (model config field). Every mesh axis that
+# The model dim each sharded parameter axis labels (its config key). Every mesh axis that
 # LOGICAL_RULES lets shard one of them must divide it: the divisibility rules, derived from the
 # one table rather than written per axis.
-PARAM_DIMS = {"vocab": "vocab_size", "embed": "d_model", "mlp": "mlp_dim", "heads": "num_heads",
-              "kv_heads": "num_kv_heads"}
+PARAM_DIMS = {"vocab": "model.vocab_size", "embed": "model.d_model", "mlp": "model.mlp_dim",
+              "heads": "model.num_heads", "kv_heads": "model.num_kv_heads",
+              "experts": "moe.num_experts", "expert_mlp": "moe.expert_mlp_dim"}
 
 
-def check_divides(shape: MeshShape, model) -> None:
+def check_divides(shape: MeshShape, dims: Mapping[str, int]) -> None:
   """Raises ValueError (one line: key, value, fix) when the mesh axes sharding a model dim do
-  not divide it; `model` is the config's `model` group (or any object with those fields)."""
-  for logical, field in PARAM_DIMS.items():
+  not divide it; `dims` maps PARAM_DIMS' config keys to their values (a key missing or 0: a
+  dim the model does not have, e.g. the experts of a dense model)."""
+  for logical, key in PARAM_DIMS.items():
     axes = _RULES[logical]
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    size, value = math.prod(shape[a] for a in axes), int(getattr(model, field))
-    if axes and value % size:
+    size, value = math.prod(shape[a] for a in axes), int(dims.get(key, 0))
+    if axes and value and value % size:
       split = [a for a in axes if shape[a] > 1]  # name only the axes that split the dim
       keys = "*".join(f"mesh.{a}" for a in split)
       sizes = "*".join(str(shape[a]) for a in split)
       hint = max(d for d in range(1, size + 1) if value % d == 0)
       named = keys if len(split) == 1 else f"{keys}={sizes}"
-      raise ValueError(f"{named}={size}: does not divide model.{field}={value}; use sizes whose "
+      raise ValueError(f"{named}={size}: does not divide {key}={value}; use sizes whose "
                        f"product divides it (e.g. {hint})")
+
+
+def param_dims(config) -> dict[str, int]:
+  """PARAM_DIMS' values in a run config (the keys its groups have)."""
+  out = {}
+  for key in PARAM_DIMS.values():
+    group, field = key.split(".")
+    if group in config and field in config[group]:
+      out[key] = int(config[group][field])
+  return out
 
 
 def make_mesh(shape: Mapping[str, int] | MeshShape | None = None,
@@ -247,9 +270,10 @@ def logical_to_spec(names: Sequence[str | None]) -> P:
   return P(*(None if n is None else _RULES[n] for n in names))
 
 
-# The axes that shard weights for storage only (FSDP, and context alongside it): a matmul needs
-# the weight whole along them, so GSPMD gathers it there before each use.
-WEIGHT_STORAGE_AXES = ("fsdp", "context")
+# The axes that shard weights for storage only (FSDP, and context and expert alongside it): a
+# matmul needs the weight whole along them, so GSPMD gathers it there before each use. (The
+# `experts` dim of the MoE weights is split over `expert` for compute: it stays split.)
+WEIGHT_STORAGE_AXES = ("fsdp", "context", "expert")
 
 
 def gathered_spec(names: Sequence[str | None]) -> P:
@@ -259,7 +283,8 @@ def gathered_spec(names: Sequence[str | None]) -> P:
     axes = axes if isinstance(axes, tuple) else (axes,)
     kept = tuple(a for a in axes if a is not None and a not in WEIGHT_STORAGE_AXES)
     return kept[0] if len(kept) == 1 else (kept or None)
-  return P(*(None if n is None else keep(_RULES[n]) for n in names))
+  return P(*(None if n is None else _RULES[n] if n == "experts" else keep(_RULES[n])
+             for n in names))
 
 
 def shard(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

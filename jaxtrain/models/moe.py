@@ -1,0 +1,189 @@
+"""The Mixture-of-Experts feed-forward block: a router, experts as one grouped matmul, and the
+router's losses and load figures.
+
+Per token (N tokens, X experts, top k, shape letters as in layers.py plus A = N*k assignments,
+C capacity per expert):
+
+  router   logits_NX = x_ND @ router_DX in float32; probs = softmax(logits); the k largest
+           probabilities pick the experts, renormalized to sum to 1 when `norm_topk_prob`.
+  dispatch dropless (default): the N*k (token, expert) assignments sorted by expert, each
+           expert's gated MLP applied to its rows by one grouped matmul per projection
+           (jaxtrain/grouped_matmul.py), unsorted, summed with the routing weights.
+           capacity (`capacity_factor > 0`): each expert takes its first C assignments (every
+           token's first choice before any second choice, then in token order) into an
+           [X, C, D] buffer, one batched matmul per projection; assignments past C are dropped
+           (that expert adds nothing for that token; the residual carries it).
+  losses   load-balancing (Switch / Mixtral form): X * sum_e f_e * P_e, f_e the share of
+           assignments that chose expert e and P_e its mean router probability: 1.0 when
+           balanced (transformers' Mixtral loss is k times this, over all layers at once).
+           z-loss (ST-MoE): the mean of logsumexp(logits)^2.
+
+The statistics are over the non-padding tokens of the whole batch, whatever the mesh: the
+expert-parallel path (parallel/expert_parallel.py) runs `moe_ffn` on each device's tokens and
+sums the statistics over the devices, so one device and eight give the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtrain.grouped_matmul import grouped_matmul, resolve_impl
+
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+# The per-layer statistics a MoE layer returns (scalars, and the per-expert load [X]).
+STAT_NAMES = ("aux_loss", "z_loss", "max_load", "dropped", "assignments", "expert_load")
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """What the MoE computation needs besides the weights (hashable: a static module attribute)."""
+  num_experts: int
+  top_k: int
+  norm_topk_prob: bool
+  capacity_factor: float
+  activation: str
+  matmul_impl: str  # "ragged" | "blocked" (resolved)
+  dtype: str
+
+
+def route(logits_NX: jax.Array, top_k: int, norm_topk_prob: bool):
+  """(probs_NX, weights_NK, experts_NK): softmax probabilities, the top-k's routing weights and
+  expert indices, all from float32 logits."""
+  probs_NX = jax.nn.softmax(logits_NX.astype(jnp.float32), axis=-1)
+  weights_NK, experts_NK = jax.lax.top_k(probs_NX, top_k)
+  if norm_topk_prob:
+    weights_NK = weights_NK / jnp.sum(weights_NK, axis=-1, keepdims=True)
+  return probs_NX, weights_NK, experts_NK.astype(jnp.int32)
+
+
+def capacity(tokens: int, routing: Routing) -> int:
+  """Assignments each expert takes per device in capacity mode: ceil(cf * N * k / X)."""
+  return max(1, math.ceil(routing.capacity_factor * tokens * routing.top_k
+                          / routing.num_experts))
+
+
+def sort_by_expert(experts_NK: jax.Array, num_experts: int):
+  """The assignments in expert order. Assignment a = j * N + n is token n's j-th choice (so
+  every first choice precedes any second choice within an expert's rows).
+
+  Returns (order_A: assignment indices sorted by expert, stable; token_A: the token of each
+  sorted row; expert_A: its expert; group_sizes_X)."""
+  n, k = experts_NK.shape
+  experts_A = experts_NK.T.reshape(n * k)
+  order_A = jnp.argsort(experts_A, stable=True)
+  token_A = (order_A % n).astype(jnp.int32)
+  group_sizes_X = jnp.zeros((num_experts,), jnp.int32).at[experts_A].add(1)
+  return order_A, token_A, experts_A[order_A], group_sizes_X
+
+
+def unsort_and_combine(y_AD: jax.Array, order_A: jax.Array, weights_NK: jax.Array) -> jax.Array:
+  """Rows in expert order back to [k, N] assignment order, summed per token with the routing
+  weights (float32): out_ND."""
+  n, k = weights_NK.shape
+  y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD, unique_indices=True)
+  y_KND = y_AD.reshape(k, n, -1).astype(jnp.float32)
+  return jnp.einsum("KND,NK->ND", y_KND, weights_NK)
+
+
+def expert_mlp_grouped(x_RD, group_sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD, routing):
+  """Each group's rows through its expert's gated MLP: three grouped matmuls."""
+  mm = functools.partial(grouped_matmul, group_sizes_G=group_sizes_G, impl=routing.matmul_impl)
+  act = _ACTIVATIONS[routing.activation]
+  h_RF = act(mm(x_RD, w_gate_GDF)) * mm(x_RD, w_up_GDF)
+  return mm(h_RF, w_down_GFD)
+
+
+def expert_mlp_batched(x_GCD, w_gate_GDF, w_up_GDF, w_down_GFD, routing):
+  """Each expert's C buffered rows through its gated MLP: three batched matmuls."""
+  act = _ACTIVATIONS[routing.activation]
+  mm = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+  h_GCF = (act(mm("GCD,GDF->GCF", x_GCD, w_gate_GDF))
+           * mm("GCD,GDF->GCF", x_GCD, w_up_GDF)).astype(x_GCD.dtype)
+  return mm("GCF,GFD->GCD", h_GCF, w_down_GFD).astype(x_GCD.dtype)
+
+
+def capacity_slots(expert_A, group_sizes_X, cap: int):
+  """Each sorted row's slot in its expert's buffer, and whether it fits (slot < cap)."""
+  starts_X = jnp.cumsum(group_sizes_X) - group_sizes_X
+  slot_A = jnp.arange(expert_A.shape[0], dtype=jnp.int32) - starts_X[expert_A]
+  return slot_A, slot_A < cap
+
+
+def router_stats(logits_NX, probs_NX, experts_NK, mask_N, dropped_A, psum):
+  """The layer's statistics over the non-padding tokens; `psum` sums over the devices that
+  hold other tokens (identity on one device)."""
+  n, x = probs_NX.shape
+  k = experts_NK.shape[1]
+  mask_N = mask_N.astype(jnp.float32)
+  one_hot_NKX = jax.nn.one_hot(experts_NK, x, dtype=jnp.float32)
+  load_X, prob_sum_X, tokens, z_sum, dropped = psum((
+      jnp.einsum("NKX,N->X", one_hot_NKX, mask_N),
+      jnp.einsum("NX,N->X", probs_NX, mask_N),
+      jnp.sum(mask_N),
+      jnp.sum(jnp.square(jax.nn.logsumexp(logits_NX, axis=-1)) * mask_N),
+      jnp.sum(dropped_A.reshape(k, n).astype(jnp.float32) * mask_N[None, :])))
+  tokens = jnp.maximum(tokens, 1.0)
+  assignments = tokens * k
+  return {
+      "aux_loss": x * jnp.sum((load_X / assignments) * (prob_sum_X / tokens)),
+      "z_loss": z_sum / tokens,
+      "max_load": jnp.max(load_X) / jnp.maximum(jnp.mean(load_X), 1e-9),
+      "dropped": dropped,
+      "assignments": assignments,
+      "expert_load": load_X,
+  }
+
+
+def local_experts(w_gate_XDF, w_up_XDF, w_down_XFD, routing: Routing, tokens: int):
+  """The dispatch when this device holds every expert: `experts(x_AD, expert_A, group_sizes_X)
+  -> (y_AD, dropped_A)` on the assignments in expert order."""
+  def experts(x_AD, expert_A, group_sizes_X):
+    if routing.capacity_factor <= 0:
+      y_AD = expert_mlp_grouped(x_AD, group_sizes_X, w_gate_XDF, w_up_XDF, w_down_XFD, routing)
+      return y_AD, jnp.zeros(expert_A.shape, bool)
+    cap = capacity(tokens, routing)
+    slot_A, kept_A = capacity_slots(expert_A, group_sizes_X, cap)
+    buffer_XCD = jnp.zeros((routing.num_experts, cap, x_AD.shape[1]), x_AD.dtype)
+    buffer_XCD = buffer_XCD.at[expert_A, slot_A].set(x_AD, mode="drop")
+    y_XCD = expert_mlp_batched(buffer_XCD, w_gate_XDF, w_up_XDF, w_down_XFD, routing)
+    return y_XCD.at[expert_A, slot_A].get(mode="fill", fill_value=0), ~kept_A
+  return experts
+
+
+def moe_ffn(x_ND, mask_N, router_DX, experts, routing: Routing, *, psum=lambda t: t):
+  """One device's N tokens through the MoE block: (out_ND in float32, statistics).
+
+  `experts(x_AD, expert_A, group_sizes_X) -> (y_AD, dropped_A)` runs the assignments, sorted by
+  expert, through their experts (`local_experts`, or the expert-parallel dispatch); `psum` sums
+  the statistics over the devices holding other tokens."""
+  logits_NX = jnp.dot(x_ND.astype(jnp.float32), router_DX.astype(jnp.float32))
+  probs_NX, weights_NK, experts_NK = route(logits_NX, routing.top_k, routing.norm_topk_prob)
+  order_A, token_A, expert_A, group_sizes_X = sort_by_expert(experts_NK, routing.num_experts)
+  y_AD, dropped_sorted_A = experts(x_ND[token_A], expert_A, group_sizes_X)
+  out_ND = unsort_and_combine(y_AD, order_A, weights_NK)
+  dropped_A = jnp.zeros_like(dropped_sorted_A).at[order_A].set(dropped_sorted_A)
+  return out_ND, router_stats(logits_NX, probs_NX, experts_NK, mask_N, dropped_A, psum)
+
+
+# What the objectives report per step from the router statistics (train_step; metrics.jsonl).
+METRIC_NAMES = ("moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_dropped_fraction")
+
+
+def objective_terms(stats: dict, aux_loss_coef: float, z_loss_coef: float,
+                    capacity_mode: bool):
+  """(what the router adds to the loss, {metric: value}) from the MoE layers' statistics
+  (stacked [L_moe, ...]): the aux and z losses averaged over the layers and weighted; the
+  busiest expert's load over the mean, the maximum over layers; in capacity mode the share of
+  assignments dropped."""
+  aux, z = jnp.mean(stats["aux_loss"]), jnp.mean(stats["z_loss"])
+  metrics = {"moe_aux_loss": aux, "moe_z_loss": z, "moe_max_load": jnp.max(stats["max_load"])}
+  if capacity_mode:
+    metrics["moe_dropped_fraction"] = (jnp.sum(stats["dropped"])
+                                       / jnp.maximum(jnp.sum(stats["assignments"]), 1.0))
+  return aux_loss_coef * aux + z_loss_coef * z, metrics
