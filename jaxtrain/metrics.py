@@ -36,9 +36,27 @@ _CPU_MEASURE_BUDGET_S = 1.0
 # --------------------------------------------------------------------------------------------
 
 
-def count_params(arch) -> int:
-  """Parameters of the model `arch` (an Architecture); Llama 3.1 8B gives 8,030,261,248."""
-  return cost.param_count(arch)
+def count_params(arch, active: bool = False) -> int:
+  """Parameters of the model `arch` (an Architecture); Llama 3.1 8B gives 8,030,261,248.
+  `active`: those one token uses (an MoE model's k experts per MoE layer, not all of them)."""
+  return cost.param_count(arch, active)
+
+
+def moe_row(model_cfg, expert_shards: int) -> tuple[str, str] | None:
+  """The run table's `moe` row (experts, top-k, total and active parameters, dispatch), or
+  None for a dense model."""
+  a = model_cfg.arch
+  if not a.num_experts:
+    return None
+  total, active = count_params(a), count_params(a, active=True)
+  cf = model_cfg.runtime.moe_capacity_factor
+  dispatch = f"capacity factor {cf:g}" if cf > 0 else "dropless"
+  where = (f"; experts split over {expert_shards} devices (mesh.expert)" if expert_shards > 1
+           else "")
+  return ("moe", f"{a.num_experts} experts (F={a.expert_dim}), top {a.experts_per_token} on "
+                 f"{sum(a.moe_layers())} of {a.num_layers} layers; parameters "
+                 f"{format_count(total)} total, {format_count(active)} active "
+                 f"({100 * active / total:.1f}%); {dispatch}{where}")
 
 
 def flops_per_token(arch, seq_len: int) -> float:

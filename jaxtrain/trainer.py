@@ -55,6 +55,7 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
       ("parameters", f"{metrics_lib.format_count(metrics_lib.count_params(model_cfg.arch))} "
                      f"({metrics_lib.count_params(model_cfg.arch):,})"),
       ("model", model_cfg.arch.describe()),
+      *filter(None, [metrics_lib.moe_row(model_cfg, mesh_shape.expert)]),
       ("global batch", f"{t.global_batch_size} seq × {t.seq_len} = {tokens:,} tokens"),
       ("per-device batch", f"{per_device:g} seq"
                            + (f" × 1/{mesh_shape.context} each" if mesh_shape.context > 1 else "")

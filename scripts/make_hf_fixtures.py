@@ -96,6 +96,7 @@ import transformers
 from transformers import LlamaForCausalLM
 
 import hf_family_fixtures as families
+import hf_moe_fixtures as moe
 from hf_fixture_tools import (LOGIT_TOL, ROOT, VOCAB, ids_40, logits_and_loss, random_model,
                               tiny_tokenizer, write_case)
 
@@ -208,6 +209,13 @@ CASES: dict[str, Callable[[], None]] = {
     "hf_gemma3_text_legacy": lambda: families.gemma3_text_case("hf_gemma3_text_legacy", 18,
                                                                legacy=True),
     "hf_gemma3_multimodal": lambda: families.gemma3_multimodal_case("hf_gemma3_multimodal", 19),
+    "hf_mixtral": lambda: moe.mixtral_case("hf_mixtral", 20),
+    "hf_qwen3_moe_dense_first": lambda: moe.qwen3_moe_case(
+        "hf_qwen3_moe_dense_first", 21, norm_topk_prob=True, mlp_only_layers=[0], sparse_step=1,
+        num_layers=3),
+    "hf_qwen3_moe_every_other": lambda: moe.qwen3_moe_case(
+        "hf_qwen3_moe_every_other", 22, norm_topk_prob=False, mlp_only_layers=[],
+        sparse_step=2, num_layers=4),
 }
 
 

@@ -216,6 +216,7 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
       ("compiled for", where),
       ("parameters", f"{metrics.format_count(metrics.count_params(cfg.arch))} "
                      f"({metrics.count_params(cfg.arch):,}); {cfg.arch.describe()}"),
+      *filter(None, [metrics.moe_row(cfg, m.mesh.expert)]),
       ("mesh", m.mesh.describe()),
       ("batch", f"global {t.global_batch_size} seq × {t.seq_len}; per device "
                 f"{t.global_batch_size // shards} seq, "

@@ -62,18 +62,26 @@ def _key_path(path) -> tuple:
                if not isinstance(k, jax.tree_util.GetAttrKey))
 
 
-def _rule_table(cfg: ModelConfig) -> dict[tuple, hf_weights.TensorRule]:
-  return {r.ours: r for r in hf_weights.rules_for(cfg)}
+STACKS = ("layers", "dense_layers")
+
+
+def _stack_span(cfg: ModelConfig, stack: str) -> tuple[int, int]:
+  """The layers [first, end) a stacked module holds (models/decoder.py): `dense_layers` the
+  dense prefix of an MoE model, `layers` the rest (every layer when there is no prefix)."""
+  moe, num_layers = cfg.arch.moe_layers(), cfg.arch.num_layers
+  first_moe = moe.index(True) if any(moe) else 0
+  return (0, first_moe) if stack == "dense_layers" else (first_moe, num_layers)
 
 
 def _locate(cfg: ModelConfig, keys: tuple) -> tuple[hf_weights.TensorRule, int | None, bool]:
-  """(rule, layer index or None, stacked) for a parameter path of our model."""
-  table = _rule_table(cfg)
-  if keys[0] != "layers":
-    return table[keys], None, False
-  if cfg.runtime.scan_layers:
-    return table[keys[1:]], None, True
-  return table[keys[2:]], int(keys[1]), False
+  """(rule, layer index (the first of a stack) or None, stacked) for a parameter path of our
+  model."""
+  if keys[0] not in STACKS:
+    return {r.ours: r for r in hf_weights.top_rules(cfg)}[keys], None, False
+  layer, ours, stacked = _stack_span(cfg, keys[0])[0], keys[1:], True
+  if not cfg.runtime.scan_layers:
+    layer, ours, stacked = int(keys[1]), keys[2:], False
+  return {r.ours: r for r in hf_weights.rules_of_layer(cfg, layer)}[ours], layer, stacked
 
 
 def _place(shape, sharding, dtype, read) -> jax.Array:
@@ -106,9 +114,8 @@ def _fill_params(abstract_params, cfg: ModelConfig, reader: hf_weights.Safetenso
   def make(path, leaf):
     rule, layer, stacked = _locate(cfg, _key_path(path))
 
-    def tensor(i):
-      name = rule.hf_name.format(i=i) if rule.per_layer else rule.hf_name
-      return reader.get_slice(naming.stored(name))
+    def tensor(i, j=None):
+      return reader.get_slice(naming.stored(hf_weights.tensor_name(rule, i, j)))
 
     def slices(index, shape):
       out = {}
@@ -118,16 +125,24 @@ def _fill_params(abstract_params, cfg: ModelConfig, reader: hf_weights.Safetenso
         out[letter] = slice(start, stop)
       return out
 
+    def layer_block(i, index, shape):
+      """Layer i's block (index and shape without a layers axis); an expert rule reads its
+      experts' tensors one by one."""
+      if not rule.per_expert:
+        return hf_weights.read_block(tensor(i), rule, sizes, slices(index, shape))
+      cuts = slices(index[1:], shape[1:])
+      return np.stack([hf_weights.read_block(tensor(i, j), rule, sizes, cuts)
+                       for j in range(*index[0].indices(shape[0])[:2])])
+
     def read(index):
       if stacked:  # leading layers axis: one HF tensor per layer, each cut the same way
-        start, stop, _ = index[0].indices(cfg.arch.num_layers)
-        cuts = slices(index[1:], leaf.shape[1:])
+        start, stop, _ = index[0].indices(leaf.shape[0])
         # Filled in place: the shard plus one layer's block, never a list of blocks to stack.
         block = np.empty(leaf.sharding.shard_shape(leaf.shape), dtype)
         for j, i in enumerate(range(start, stop)):
-          block[j] = hf_weights.read_block(tensor(i), rule, sizes, cuts)
+          block[j] = layer_block(layer + i, index[1:], leaf.shape[1:])
         return block
-      return hf_weights.read_block(tensor(layer), rule, sizes, slices(index, leaf.shape))
+      return layer_block(layer, index, leaf.shape)
 
     dtype = np.dtype(leaf.dtype)
     return _place(leaf.shape, leaf.sharding, dtype, read)
@@ -206,8 +221,7 @@ def _to_host(x: jax.Array) -> np.ndarray:
 def _pending_tensors(params: dict, cfg: ModelConfig, dtype: str) -> list[hf_weights.PendingTensor]:
   """Every Hugging Face tensor in transformers' order, each produced only when written."""
   sizes = hf_weights.sizes_of(cfg)
-  top = {r.hf_name: r for r in hf_weights.rules_for(cfg) if not r.per_layer}
-  layer_rules = [r for r in hf_weights.rules_for(cfg) if r.per_layer]
+  top = {r.hf_name: r for r in hf_weights.top_rules(cfg)}
 
   def lookup(keys):
     node = params
@@ -215,20 +229,29 @@ def _pending_tensors(params: dict, cfg: ModelConfig, dtype: str) -> list[hf_weig
       node = node[k]
     return node
 
-  def pending(rule, layer=None):
+  def layer_param(rule, layer):
+    if not cfg.runtime.scan_layers:
+      return lookup(("layers", layer) + rule.ours)
+    stack = "dense_layers" if layer < _stack_span(cfg, "dense_layers")[1] else "layers"
+    return _take_layer(lookup((stack,) + rule.ours), layer - _stack_span(cfg, stack)[0])
+
+  def pending(rule, layer=None, expert=None):
     def produce():
       if layer is None:
-        x = _to_host(lookup(rule.ours))
-      elif cfg.runtime.scan_layers:
-        x = _to_host(_take_layer(lookup(("layers",) + rule.ours), layer))
+        x = lookup(rule.ours)
       else:
-        x = _to_host(lookup(("layers", layer) + rule.ours))
-      return hf_weights.to_hf_layout(x, rule, sizes)
-    name = rule.hf_name.format(i=layer) if rule.per_layer else rule.hf_name
-    return hf_weights.PendingTensor(name, hf_weights.hf_shape(rule, sizes), dtype, produce)
+        x = layer_param(rule, layer)
+        if expert is not None:
+          x = _take_layer(x, expert)
+      return hf_weights.to_hf_layout(_to_host(x), rule, sizes)
+    return hf_weights.PendingTensor(hf_weights.tensor_name(rule, layer, expert),
+                                    hf_weights.hf_shape(rule, sizes), dtype, produce)
 
   out = [pending(top["model.embed_tokens.weight"])]
-  out += [pending(r, i) for i in range(cfg.arch.num_layers) for r in layer_rules]
+  for i in range(cfg.arch.num_layers):
+    for rule in hf_weights.rules_of_layer(cfg, i):
+      experts = range(cfg.arch.num_experts) if rule.per_expert else [None]
+      out += [pending(rule, i, j) for j in experts]
   out.append(pending(top["model.norm.weight"]))
   if "lm_head.weight" in top:
     out.append(pending(top["lm_head.weight"]))

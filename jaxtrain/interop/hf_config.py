@@ -276,6 +276,8 @@ def _sliding(hf: dict, family: Family, defaults: dict, num_layers: int
   window = _window_value(hf, defaults)
   if scheme == "every":
     return (window or 0), ""
+  if scheme == "all":  # Qwen3-MoE: use_sliding_window puts the window on every layer
+    return (window or 0) if _field(hf, "use_sliding_window", False) else 0, ""
   if scheme == "qwen":
     if not _field(hf, "use_sliding_window", defaults["use_sliding_window"]):
       window = None  # Qwen2Config: no window unless use_sliding_window
@@ -407,6 +409,7 @@ def model_overrides(hf: dict) -> dict[str, Any]:
       "model.local_rope_theta": local_theta,
       "model.query_pre_attn_scalar": query_scalar,
   }
+  out.update(_moe_overrides(hf, family, defaults, num_layers))
   if scaling:
     out["model.rope_scaling.factor"] = float(scaling["factor"])
   if scaling and scaling["type"] == "llama3":
@@ -415,6 +418,57 @@ def model_overrides(hf: dict) -> dict[str, Any]:
     out["model.rope_scaling.original_max_position_embeddings"] = int(
         scaling["original_max_position_embeddings"])
   return out
+
+
+# Routing fields of other MoE designs: (field, the value that means our softmax top-k router).
+UNSUPPORTED_ROUTING = (("scoring_func", "softmax"), ("topk_method", "greedy"),
+                       ("n_shared_experts", 0), ("shared_expert_intermediate_size", 0),
+                       ("n_group", 1), ("routed_scaling_factor", 1.0),
+                       ("router_jitter_noise", 0.0))
+
+
+def _moe_overrides(hf: dict, family: Family, defaults: dict, num_layers: int) -> dict[str, Any]:
+  """moe.* of an MoE family's config.json; refuses routing our router does not implement."""
+  names = family.hf_experts
+  if names is None:
+    return {}
+  for key, ours in UNSUPPORTED_ROUTING:
+    value = hf.get(key)
+    if value is not None and value != ours and not (isinstance(ours, float) and value == 0):
+      raise HFFormatError(f"config.json {key}={value!r}: unsupported routing; jaxtrain's "
+                          f"{family.name} router is a softmax over the experts then the top k "
+                          f"({key}={ours!r})")
+  get = lambda key: _field(hf, key, defaults.get(key))  # noqa: E731
+  # transformers 5 saves Qwen3-MoE's num_experts under Mixtral's name, num_local_experts.
+  experts = next((hf[k] for k in (names.num_experts_key, "num_local_experts") if k in hf),
+                 defaults.get(names.num_experts_key))
+  experts, top_k = int(experts), int(get("num_experts_per_tok"))
+  if not 1 <= top_k <= experts:
+    raise HFFormatError(f"config.json num_experts_per_tok={top_k}: must be between 1 and the "
+                        f"{experts} experts")
+  dense = get("mlp_only_layers") or []
+  if any(not isinstance(i, int) or not 0 <= i < num_layers for i in dense):
+    raise HFFormatError(f"config.json mlp_only_layers={dense!r}: expected layer indices below "
+                        f"num_hidden_layers={num_layers}")
+  step = int(get("decoder_sparse_step") or 1)
+  moe = [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+  if not any(moe):
+    raise HFFormatError(f"config.json mlp_only_layers={dense!r}, decoder_sparse_step={step}: "
+                        f"no MoE layer among {num_layers}; convert it as a dense model")
+  first = moe.index(True)
+  # Scanned layers stack one structure per stack: a dense prefix and the MoE rest at most.
+  scannable = {} if all(moe[first:]) else {"model.scan_layers": False}
+  return {
+      **scannable,
+      "moe.num_experts": experts,
+      "moe.experts_per_token": top_k,
+      "moe.expert_mlp_dim": int(get(names.expert_mlp_key)),
+      # Mixtral always renormalizes (its config has no switch).
+      "moe.norm_topk_prob": bool(get("norm_topk_prob")) if "norm_topk_prob" in defaults
+                            else True,
+      "moe.dense_layers": ",".join(str(i) for i in dense),
+      "moe.sparse_step": step,
+  }
 
 
 def tokenizer_path(directory: str) -> str | None:

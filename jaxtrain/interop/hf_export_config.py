@@ -50,7 +50,7 @@ def _check_expressible(m, family: Family, sliding: list[bool]) -> None:
   if scheme == "none" and any(sliding):
     raise HFFormatError(f"model.sliding_window={m.sliding_window}: {family.hf_architecture} has "
                         f"no sliding window; export needs 0 for model.family={family.name!r}")
-  if scheme == "every" and any(sliding) and not all(sliding):
+  if scheme in ("every", "all") and any(sliding) and not all(sliding):
     raise HFFormatError(f"model.layer_types={m.layer_types!r}: {family.hf_architecture} applies "
                         f"sliding_window to every layer; export needs every layer alike")
 
@@ -62,6 +62,8 @@ def _export_window(m, family: Family, sliding: list[bool]) -> dict[str, Any]:
   types = [OUR_LAYER_TYPES[SLIDING if s else FULL] for s in sliding]
   if scheme == "every":
     return {"sliding_window": window}
+  if scheme == "all":
+    return {"use_sliding_window": window is not None, "sliding_window": window}
   if scheme == "qwen":
     leading_full = next((i for i, s in enumerate(sliding) if s), len(sliding))
     return {"use_sliding_window": window is not None, "sliding_window": window,
@@ -71,6 +73,33 @@ def _export_window(m, family: Family, sliding: list[bool]) -> dict[str, Any]:
     return {"sliding_window": window or int(defaults_of(family)["sliding_window"]),
             "layer_types": types}
   return {}
+
+
+def _export_moe(config, family: Family) -> dict[str, Any]:
+  """The MoE fields of an MoE family's config.json (none for a dense family)."""
+  names, moe = family.hf_experts, config.moe
+  if names is None:
+    if moe.num_experts:
+      raise HFFormatError(f"moe.num_experts={moe.num_experts}: model.family={family.name!r} has "
+                          f"no Mixture-of-Experts layout to export to; use mixtral or qwen3_moe")
+    return {}
+  moe_layers = architecture_of(config).moe_layers()
+  out = {names.num_experts_key: int(moe.num_experts),
+         "num_experts_per_tok": int(moe.experts_per_token),
+         names.expert_mlp_key: int(moe.expert_mlp_dim or config.model.mlp_dim)}
+  if "norm_topk_prob" in defaults_of(family):
+    out["norm_topk_prob"] = bool(moe.norm_topk_prob)
+  elif not moe.norm_topk_prob:
+    raise HFFormatError(f"moe.norm_topk_prob=False: {family.hf_architecture} always "
+                        f"renormalizes the top-k weights; export needs True")
+  if "mlp_only_layers" in defaults_of(family):
+    out["mlp_only_layers"] = [i for i, m in enumerate(moe_layers)
+                              if not m and (i + 1) % int(moe.sparse_step) == 0]
+    out["decoder_sparse_step"] = int(moe.sparse_step)
+  elif not all(moe_layers):
+    raise HFFormatError(f"moe.dense_layers={moe.dense_layers!r}: {family.hf_architecture} has "
+                        f"no dense layers; export needs every layer MoE")
+  return out
 
 
 def from_jaxtrain_config(config, *, dtype: str, bos_id: int | None = None,
@@ -118,6 +147,7 @@ def from_jaxtrain_config(config, *, dtype: str, bos_id: int | None = None,
     scalar = float(m.query_pre_attn_scalar or m.head_dim)
     hf["query_pre_attn_scalar"] = int(scalar) if scalar.is_integer() else scalar
   hf.update(_export_window(m, family, sliding))
+  hf.update(_export_moe(config, family))
   rope = _rope_dict(m)
   per_type = "rope_local_base_freq" in defaults
   local = float(m.local_rope_theta)

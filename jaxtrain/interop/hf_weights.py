@@ -8,11 +8,15 @@ post_attention_layernorm then normalizes the attention's output, and pre_feedfor
 is the norm before the MLP). Norm weights are copied as stored: a (1 + w) norm keeps its w.
 
 Layouts are written in the shape-letter legend (V vocab, D model, H query heads, K kv heads,
-E head dim, F mlp). A Hugging Face layout lists the tensor's dims separated by commas, each a run
+E head dim, F mlp, X experts, M an expert's hidden size). A Hugging Face layout lists the tensor's dims separated by commas, each a run
 of letters merged row-major: q_proj.weight is "HE,D", i.e. [H*E, D] with row h*E + e. Our layout
 is the letters of our parameter's dims in order ("DHE" for wq_DHE). Converting is a reshape and a
 transpose and nothing else: our rotary embedding rotates pairs (i, i + E/2) exactly as
 transformers' `rotate_half` does, so q/k rows need no permutation (the parity tests check it).
+
+An MoE layer's experts are one tensor per expert and projection in the checkpoint
+(`...experts.{j}.gate_proj.weight`, "M,D") and one stacked parameter here (`w_gate_XDF`): a
+rule with `{j}` in its name maps expert j to row j of our leading X dim.
 
 Import never holds a whole tensor it does not need: `read_block` reads only the rows and columns
 one device's shard covers, through safetensors' lazy `get_slice`, one layer at a time. Export
@@ -35,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.interop.hf_config import HFFormatError
-from jaxtrain.models.features import Features
+from jaxtrain.models import registry
+from jaxtrain.models.features import ExpertNames, Features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +55,11 @@ class TensorRule:
   def per_layer(self) -> bool:
     return "{i}" in self.hf_name
 
+  @property
+  def per_expert(self) -> bool:
+    """One tensor per expert ({j}); our parameter has a leading X dim before `our_layout`."""
+    return "{j}" in self.hf_name
+
 
 # Outside the layers, every family. Linear weights are [out, in] in transformers, [in, out] here.
 TOP_RULES = (
@@ -59,8 +69,10 @@ TOP_RULES = (
 )
 
 
-def layer_rules(features: Features) -> tuple[TensorRule, ...]:
-  """One layer's tensors for a family's switches (q, k, v, o first, in this order)."""
+def layer_rules(features: Features, experts: ExpertNames | None = None
+                ) -> tuple[TensorRule, ...]:
+  """One layer's tensors for a family's switches (q, k, v, o first, in this order); `experts`:
+  an MoE layer's, named as the family's checkpoint names them."""
   attn, layer = "model.layers.{i}.self_attn.", "model.layers.{i}."
   rules = [
       TensorRule(attn + "q_proj.weight", ("attn", "wq_DHE"), "HE,D", "DHE"),
@@ -75,12 +87,22 @@ def layer_rules(features: Features) -> tuple[TensorRule, ...]:
   if features.qk_norm:
     rules += [TensorRule(attn + "q_norm.weight", ("attn", "q_norm", "scale"), "E", "E"),
               TensorRule(attn + "k_norm.weight", ("attn", "k_norm", "scale"), "E", "E")]
-  rules += [
-      TensorRule(layer + "mlp.gate_proj.weight", ("mlp", "w_gate_DF"), "F,D", "DF"),
-      TensorRule(layer + "mlp.up_proj.weight", ("mlp", "w_up_DF"), "F,D", "DF"),
-      TensorRule(layer + "mlp.down_proj.weight", ("mlp", "w_down_FD"), "D,F", "FD"),
-      TensorRule(layer + "input_layernorm.weight", ("attn_norm", "scale"), "D", "D"),
-  ]
+  if experts is None:
+    rules += [
+        TensorRule(layer + "mlp.gate_proj.weight", ("mlp", "w_gate_DF"), "F,D", "DF"),
+        TensorRule(layer + "mlp.up_proj.weight", ("mlp", "w_up_DF"), "F,D", "DF"),
+        TensorRule(layer + "mlp.down_proj.weight", ("mlp", "w_down_FD"), "D,F", "FD"),
+    ]
+  else:
+    block = f"{layer}{experts.block}."
+    each = block + "experts.{j}."
+    rules += [
+        TensorRule(f"{block}{experts.router}.weight", ("mlp", "router_DX"), "X,D", "DX"),
+        TensorRule(f"{each}{experts.gate}.weight", ("mlp", "w_gate_XDF"), "M,D", "DM"),
+        TensorRule(f"{each}{experts.up}.weight", ("mlp", "w_up_XDF"), "M,D", "DM"),
+        TensorRule(f"{each}{experts.down}.weight", ("mlp", "w_down_XFD"), "D,M", "MD"),
+    ]
+  rules.append(TensorRule(layer + "input_layernorm.weight", ("attn_norm", "scale"), "D", "D"))
   if features.sandwich_norms:
     rules += [
         TensorRule(layer + "post_attention_layernorm.weight", ("post_attn_norm", "scale"), "D",
@@ -138,7 +160,7 @@ def sizes_of(cfg) -> dict[str, int]:
   """Shape-letter sizes of a ModelConfig."""
   a = cfg.arch
   return {"V": a.vocab_size, "D": a.d_model, "H": a.num_heads, "K": a.num_kv_heads,
-          "E": a.head_dim, "F": a.mlp_dim}
+          "E": a.head_dim, "F": a.mlp_dim, "X": a.num_experts, "M": a.expert_dim}
 
 
 def hf_shape(rule: TensorRule, sizes: dict[str, int]) -> tuple[int, ...]:
@@ -149,14 +171,35 @@ def our_shape(rule: TensorRule, sizes: dict[str, int]) -> tuple[int, ...]:
   return tuple(sizes[c] for c in rule.our_layout)
 
 
-def layer_names(rule: TensorRule, num_layers: int) -> list[str]:
-  return [rule.hf_name.format(i=i) for i in range(num_layers)] if rule.per_layer \
-      else [rule.hf_name]
+def tensor_name(rule: TensorRule, layer: int | None = None, expert: int | None = None) -> str:
+  return rule.hf_name.format(i=layer, j=expert)
+
+
+def tensor_names(rule: TensorRule, layer: int | None, num_experts: int) -> list[str]:
+  """The checkpoint's names of a rule's tensors in `layer` (every expert's, for an expert rule)."""
+  if rule.per_expert:
+    return [tensor_name(rule, layer, j) for j in range(num_experts)]
+  return [tensor_name(rule, layer)]
+
+
+def top_rules(cfg) -> tuple[TensorRule, ...]:
+  """The tensors outside the layers (no output head when the embeddings are tied)."""
+  return tuple(r for r in TOP_RULES if not (cfg.arch.tie_embeddings and r.ours == ("head_DV",)))
+
+
+def rules_of_layer(cfg, layer: int) -> tuple[TensorRule, ...]:
+  """Layer `layer`'s tensors: the dense layer's, or an MoE layer's as its family names them."""
+  moe = cfg.arch.moe_layers()[layer]
+  return layer_rules(cfg.arch.features,
+                     registry.get(cfg.arch.family).hf_experts if moe else None)
 
 
 def rules_for(cfg) -> tuple[TensorRule, ...]:
-  top = tuple(r for r in TOP_RULES if not (cfg.arch.tie_embeddings and r.ours == ("head_DV",)))
-  return top + layer_rules(cfg.arch.features)
+  """Every rule of the model: the top ones, then each distinct layer kind's."""
+  rules = list(top_rules(cfg))
+  for layer in range(cfg.arch.num_layers):
+    rules += [r for r in rules_of_layer(cfg, layer) if r not in rules]
+  return tuple(rules)
 
 
 def read_block(tensor_slice, rule: TensorRule, sizes: dict[str, int],
@@ -280,10 +323,11 @@ def check_tensors(reader: SafetensorsReader, cfg) -> Naming:
   names = set(reader.names())
   naming = naming_of(names)
   sizes = sizes_of(cfg)
-  expected = {}
-  for rule in rules_for(cfg):
-    for name in layer_names(rule, cfg.arch.num_layers):
-      expected[naming.stored(name)] = hf_shape(rule, sizes)
+  expected = {naming.stored(tensor_name(rule)): hf_shape(rule, sizes) for rule in top_rules(cfg)}
+  for layer in range(cfg.arch.num_layers):
+    for rule in rules_of_layer(cfg, layer):
+      for name in tensor_names(rule, layer, cfg.arch.num_experts):
+        expected[naming.stored(name)] = hf_shape(rule, sizes)
   missing = sorted(set(expected) - names)
   if missing:
     hint = (" (config.json says tie_word_embeddings=false; the file has no output head)"

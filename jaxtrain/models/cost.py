@@ -6,9 +6,11 @@ all use these (through jaxtrain.metrics and the objectives).
 
 FLOPs per token = 6 * N_matmul + attention, where
 
-  N_matmul  parameters that take part in a matmul: per layer the q, k, v, o projections and the
-            MLP gate/up/down, plus the output head (D*V). The embedding lookup, norm scales and
-            biases do no matmul FLOPs. With tied embeddings the table *is* the head: D*V once.
+  N_matmul  parameters that take part in a matmul for a token: per layer the q, k, v, o
+            projections and the MLP gate/up/down, plus the output head (D*V). The embedding
+            lookup, norm scales and biases do no matmul FLOPs. With tied embeddings the table
+            *is* the head: D*V once. An MoE layer counts its router (D*X) and the k experts a
+            token uses (its *active* parameters), not all X.
   6 *       2 FLOPs per multiply-add forward, and the backward costs twice the forward.
   attention QK^T and AV: 4*H*E FLOPs per (query, visible key) pair forward, times 3 for training,
             times the keys a query sees on average: T/2 for causal attention over T tokens
@@ -22,28 +24,45 @@ nor rematerialization (MFU credits model FLOPs, not recomputed ones).
 from __future__ import annotations
 
 
-def _per_layer_matmul_params(arch) -> int:
-  d, h, k, e, f = arch.d_model, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.mlp_dim
-  return d * h * e + 2 * d * k * e + h * e * d + 3 * d * f  # q, k+v (grouped), o, gated MLP
+def _attention_params(arch) -> int:
+  d, h, k, e = arch.d_model, arch.num_heads, arch.num_kv_heads, arch.head_dim
+  return d * h * e + 2 * d * k * e + h * e * d  # q, k+v (grouped), o
 
 
-def param_count(arch) -> int:
+def _ffn_params(arch, moe: bool, active: bool) -> int:
+  """A layer's feed-forward parameters: the gated MLP's three, or an MoE layer's router and
+  its experts (all of them, or the k a token uses when `active`)."""
+  if not moe:
+    return 3 * arch.d_model * arch.mlp_dim
+  experts = arch.experts_per_token if active else arch.num_experts
+  return arch.d_model * arch.num_experts + experts * 3 * arch.d_model * arch.expert_dim
+
+
+def _layers_matmul_params(arch, active: bool) -> int:
+  return sum(_attention_params(arch) + _ffn_params(arch, moe, active)
+             for moe in arch.moe_layers())
+
+
+def param_count(arch, active: bool = False) -> int:
   """Parameters of the model: embedding V*D; per layer the projections, 2 norm scales of D (4 with
-  sandwich norms), q/k norms of E each, q/k/v biases; final norm D; head D*V unless tied."""
+  sandwich norms), q/k norms of E each, q/k/v biases; final norm D; head D*V unless tied.
+  `active`: an MoE model's parameters one token uses (its k experts of each MoE layer)."""
   features = arch.features
   d, e = arch.d_model, arch.head_dim
-  per_layer = _per_layer_matmul_params(arch) + (4 if features.sandwich_norms else 2) * d
+  per_layer = (4 if features.sandwich_norms else 2) * d
   if features.qk_norm:
     per_layer += 2 * e
   if features.qkv_bias:
     per_layer += (arch.num_heads + 2 * arch.num_kv_heads) * e
   head = 0 if arch.tie_embeddings else d * arch.vocab_size
-  return arch.vocab_size * d + arch.num_layers * per_layer + d + head
+  return (arch.vocab_size * d + arch.num_layers * per_layer + _layers_matmul_params(arch, active)
+          + d + head)
 
 
 def matmul_params(arch) -> int:
-  """N_matmul: every layer's projections plus the output head (once, tied or not)."""
-  return arch.num_layers * _per_layer_matmul_params(arch) + arch.d_model * arch.vocab_size
+  """N_matmul: every layer's projections (an MoE layer's active ones) plus the output head
+  (once, tied or not)."""
+  return _layers_matmul_params(arch, active=True) + arch.d_model * arch.vocab_size
 
 
 def keys_per_query(seq_len: int, window: int | None) -> float:

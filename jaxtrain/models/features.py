@@ -39,6 +39,21 @@ class Features:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertNames:
+  """Where a Mixture-of-Experts family's checkpoint keeps an MoE layer's tensors, under
+  model.layers.{i}.: `{block}.{router}.weight` [X, D] and, per expert j,
+  `{block}.experts.{j}.{gate|up|down}.weight`; and the config.json keys of the expert count and
+  each expert's hidden size."""
+  block: str
+  router: str
+  gate: str
+  up: str
+  down: str
+  num_experts_key: str
+  expert_mlp_key: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
   """One model family: its switches and its names on the Hugging Face side."""
   name: str
@@ -52,11 +67,13 @@ class Family:
   hf_defaults: Mapping[str, object]
   # How its config class marks the layers that attend within `sliding_window`: "none" (no window
   # at all), "every" (every layer; null: none), "qwen" (`use_sliding_window`, then `layer_types`
-  # or the layers from `max_window_layers` on), "typed" (`layer_types`, else
-  # `sliding_window_pattern`: every Nth layer full).
+  # or the layers from `max_window_layers` on), "all" (`use_sliding_window`: every layer),
+  # "typed" (`layer_types`, else `sliding_window_pattern`: every Nth layer full).
   hf_window: str = "none"
   # Fixed fields export writes, as save_pretrained writes them for the family.
   hf_export_fields: Mapping[str, object] = dataclasses.field(default_factory=dict)
   lora_targets: tuple[str, ...] = ALL_PROJECTIONS
   # What the family's docs say in one line (the run table, docs/models.md).
   summary: str = ""
+  # A Mixture-of-Experts family (its models have moe.num_experts > 0): its checkpoint names.
+  hf_experts: ExpertNames | None = None

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from jaxtrain.models import gemma3, llama, mistral, qwen2, qwen3
+from jaxtrain.models import gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from jaxtrain.models.features import Family
 
 FAMILIES: dict[str, Family] = {f.FAMILY.name: f.FAMILY
-                               for f in (llama, qwen3, qwen2, mistral, gemma3)}
+                               for f in (llama, qwen3, qwen2, mistral, gemma3, mixtral, qwen3_moe)}
 NAMES = tuple(FAMILIES)
 
 

@@ -105,6 +105,12 @@ class MeshShape:
     """"data=1 stage=1 fsdp=8 expert=1 context=1 tensor=1": for run tables and messages."""
     return " ".join(f"{a}={s}" for a, s in self.items())
 
+  def batch_keys(self) -> tuple[str, str]:
+    """("mesh.data*mesh.fsdp", "2*4"): the axes splitting the batch and their sizes, for
+    messages (mesh.expert only where it is > 1)."""
+    axes = [a for a in BATCH_AXES if a != "expert" or self.expert > 1]
+    return "*".join(f"mesh.{a}" for a in axes), "*".join(str(self[a]) for a in axes)
+
   @property
   def batch_shards(self) -> int:
     """How many ways the batch is split: the product of BATCH_AXES."""
