@@ -349,6 +349,25 @@ def llama3_config(*, num_layers: int, d_model: int, num_heads: int, head_dim: in
   return c
 
 
+def qwen3_moe_config(*, num_layers: int, d_model: int, num_heads: int, expert_mlp_dim: int,
+                     mlp_dim: int, global_batch_size: int,
+                     target: str) -> ml_collections.ConfigDict:
+  """What the published Qwen3-MoE sizes share (128 experts, top 8 renormalized, 4 kv heads of
+  128, vocab 151936, RoPE base 1e6, untied embeddings), with training defaults for
+  accelerators; configs/ give the dims and the target they are sized for."""
+  c = accelerator_config(target=target, global_batch_size=global_batch_size)
+  m = c.model
+  m.family = "qwen3_moe"
+  m.vocab_size, m.num_layers, m.d_model, m.mlp_dim = 151936, num_layers, d_model, mlp_dim
+  m.num_heads, m.num_kv_heads, m.head_dim = num_heads, 4, 128
+  m.norm_eps, m.rope_theta, m.max_position_embeddings = 1e-6, 1e6, 40960
+  m.tie_embeddings = False
+  c.moe.num_experts, c.moe.experts_per_token, c.moe.expert_mlp_dim = 128, 8, expert_mlp_dim
+  c.moe.norm_topk_prob = True
+  c.moe.aux_loss_coef = 0.001  # what the published config trains with (router_aux_loss_coef)
+  return c
+
+
 def load_config_file(path: str) -> ml_collections.ConfigDict:
   """`get_config()` of a config file (what `--config=PATH` loads), for scripts and tests."""
   name = "jaxtrain_config_" + os.path.splitext(os.path.basename(path))[0]

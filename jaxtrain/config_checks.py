@@ -117,6 +117,15 @@ def _check_moe(config, mesh: MeshShape):
   moe, m = config.moe, config.model
   if moe.num_experts < 0:
     raise ConfigError(f"moe.num_experts={moe.num_experts}: must be >= 0 (0: a dense model)")
+  family = registry.get(m.family)
+  moe_families = ", ".join(n for n, f in registry.FAMILIES.items() if f.hf_experts)
+  if family.hf_experts and not moe.num_experts:
+    raise ConfigError(f"model.family={m.family!r}: a Mixture-of-Experts family needs "
+                      f"moe.num_experts > 0 (and moe.experts_per_token, moe.expert_mlp_dim)")
+  if moe.num_experts and not family.hf_experts:
+    raise ConfigError(f"model.family={m.family!r}: has no Mixture-of-Experts layers "
+                      f"(moe.num_experts={moe.num_experts}); use a family that has them: "
+                      f"{moe_families}")
   if not moe.num_experts:
     if mesh.expert > 1:
       raise ConfigError(f"mesh.expert={mesh.expert}: the model has no MoE layers "

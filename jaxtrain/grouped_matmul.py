@@ -43,9 +43,11 @@ def grouped_matmul(x_RD: jax.Array, w_GDF: jax.Array, group_sizes_G: jax.Array, 
   accumulation; rows past the groups' total are zero."""
   group_sizes_G = group_sizes_G.astype(jnp.int32)
   if impl == "ragged":
-    y_RF = jax.lax.ragged_dot(x_RD, w_GDF, group_sizes_G, preferred_element_type=jnp.float32)
+    # Output in x's dtype (the kernel accumulates in float32 inside): a float32 [R, F] result
+    # would double the largest buffer of an expert-parallel layer.
+    y_RF = jax.lax.ragged_dot(x_RD, w_GDF, group_sizes_G, preferred_element_type=x_RD.dtype)
     in_groups_R = jnp.arange(x_RD.shape[0]) < jnp.sum(group_sizes_G)
-    return jnp.where(in_groups_R[:, None], y_RF, 0).astype(x_RD.dtype)
+    return jnp.where(in_groups_R[:, None], y_RF, 0)
   if impl != "blocked":
     raise ValueError(f"grouped_matmul impl={impl!r}: choose 'ragged' or 'blocked'")
   block_rows = max(8, min(block_rows, _round_up(x_RD.shape[0], 8)))

@@ -19,7 +19,7 @@ def _set(config, key, value):
 
 BAD = [
     # (overrides, devices, words the message must contain)
-    ({"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 3}, 8, ["mesh.data*mesh.stage*mesh.fsdp*mesh.context*mesh.tensor",
+    ({"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 3}, 8, ["mesh.data*mesh.stage*mesh.fsdp*mesh.expert*mesh.context*mesh.tensor",
                                                              "12", "8 devices"]),
     ({"mesh.tensor": 3}, 8, ["mesh.tensor=3", "mesh.fsdp=-1", "does not divide the 8"]),
     ({"mesh.data": -1, "mesh.fsdp": -1}, 8, ["only one mesh axis may be -1"]),

@@ -338,7 +338,7 @@ def test_mistral_window_default_and_null():
 # Refusals: one line naming the field and what is supported
 # --------------------------------------------------------------------------------------------
 
-SUPPORTED_TYPES = "llama, qwen3, qwen2, mistral, gemma3_text, gemma3"
+SUPPORTED_TYPES = "llama, qwen3, qwen2, mistral, gemma3_text, gemma3, mixtral, qwen3_moe"
 
 
 @pytest.mark.parametrize("source,change,message", [

@@ -59,7 +59,7 @@ def _forward(graphdef, params, ids_BT, with_loss=True):
            "loss_mask": jnp.ones((b, t - 1), jnp.float32),
            "segment_ids": jnp.ones((b, t - 1), jnp.int32),
            "positions": jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32), (b, t - 1))}
-  total, count = loss_sum_fn(params, graphdef, batch, 16)
+  total, count, _ = loss_sum_fn(params, graphdef, batch, 16)
   return logits_BTV, total / count
 
 
@@ -189,7 +189,7 @@ def test_optional_fields_take_transformers_defaults():
 
 @pytest.mark.parametrize("field,value,message", [
     ("model_type", "falcon", r"model_type='falcon': unsupported; jaxtrain imports model_type "
-                             r"llama, qwen3, qwen2, mistral, gemma3_text, gemma3$"),
+                             r"llama, qwen3, qwen2, mistral, gemma3_text, gemma3, mixtral, qwen3_moe$"),
     ("hidden_act", "gelu", r"hidden_act='gelu': unsupported"),
     ("attention_bias", True, r"attention_bias=True: unsupported"),
     ("mlp_bias", True, r"mlp_bias=True: unsupported"),

@@ -295,7 +295,7 @@ def test_remat_by_name_saves_the_projections_under_the_stage_vmap(capsys, by_nam
 
   def stages(layers, x_SBTD):
     def layer(state, x, pos):
-      return nnx.merge(graphdef, state)(x, pos, None)
+      return nnx.merge(graphdef, state)(x, pos, None)[0]  # (x, router statistics)
     return jnp.sum(jax.vmap(jax.checkpoint(layer, policy=policy))(layers, x_SBTD, pos_SBT))
   jax.ad_checkpoint.print_saved_residuals(stages, layers, x_SBTD)
   printed = capsys.readouterr().out

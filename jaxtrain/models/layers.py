@@ -27,7 +27,6 @@ from jaxtrain.grouped_matmul import resolve_impl
 from jaxtrain.models import moe as moe_lib
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.rope import apply_rope, rope_inv_freq
-from jaxtrain.parallel import expert_parallel
 from jaxtrain.parallel.mesh import shard
 from jaxtrain.peft import lora as lora_lib
 from jaxtrain.peft.projection import project
@@ -260,7 +259,7 @@ class MoE(nnx.Module):
   def __call__(self, x_BTD, mask_BT):
     """(out_BTD, the layer's router statistics); `mask_BT`: the tokens the statistics count."""
     dtype = self.routing.dtype
-    out_BTD, stats = expert_parallel.moe_layer(
+    out_BTD, stats = moe_lib.moe_layer(
         x_BTD, mask_BT, self.router_DX[...], self.w_gate_XDF[...].astype(dtype),
         self.w_up_XDF[...].astype(dtype), self.w_down_XFD[...].astype(dtype), self.routing)
     return checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")),

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtrain.grouped_matmul import grouped_matmul, resolve_impl
+from jaxtrain.grouped_matmul import grouped_matmul
+from jaxtrain.parallel import expert_parallel
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 # The per-layer statistics a MoE layer returns (scalars, and the per-expert load [X]).
@@ -82,11 +83,18 @@ def sort_by_expert(experts_NK: jax.Array, num_experts: int):
   return order_A, token_A, experts_A[order_A], group_sizes_X
 
 
+def inverse_permutation(order: jax.Array) -> jax.Array:
+  """inv with inv[order[i]] = i: unsorting by a gather (y[inv]) rather than a scatter, which
+  XLA:GPU runs far slower and, for bfloat16, through 32-bit copies of the whole buffer."""
+  return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
+                                             unique_indices=True)
+
+
 def unsort_and_combine(y_AD: jax.Array, order_A: jax.Array, weights_NK: jax.Array) -> jax.Array:
   """Rows in expert order back to [k, N] assignment order, summed per token with the routing
   weights (float32): out_ND."""
   n, k = weights_NK.shape
-  y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD, unique_indices=True)
+  y_AD = y_AD[inverse_permutation(order_A)]
   y_KND = y_AD.reshape(k, n, -1).astype(jnp.float32)
   return jnp.einsum("KND,NK->ND", y_KND, weights_NK)
 
@@ -167,8 +175,79 @@ def moe_ffn(x_ND, mask_N, router_DX, experts, routing: Routing, *, psum=lambda t
   order_A, token_A, expert_A, group_sizes_X = sort_by_expert(experts_NK, routing.num_experts)
   y_AD, dropped_sorted_A = experts(x_ND[token_A], expert_A, group_sizes_X)
   out_ND = unsort_and_combine(y_AD, order_A, weights_NK)
-  dropped_A = jnp.zeros_like(dropped_sorted_A).at[order_A].set(dropped_sorted_A)
+  dropped_A = dropped_sorted_A[inverse_permutation(order_A)]
   return out_ND, router_stats(logits_NX, probs_NX, experts_NK, mask_N, dropped_A, psum)
+
+
+def exchanging_experts(w_gate_GDF, w_up_GDF, w_down_GFD, routing: Routing, tokens: int,
+                       shards: int, all_to_all=expert_parallel.all_to_all):
+  """The dispatch when this device holds G = X/E of the experts (mesh.expert = E): the
+  assignments travel to their experts' shards and back by all-to-all; `experts(x_AD,
+  expert_A, group_sizes_X) -> (y_AD, dropped_A)` as for `local_experts`.
+
+  Dropless, a device may send all of its A = N*k assignments to one peer, so each per-peer
+  buffer holds A rows (exact; the receiver computes only the rows present). In capacity mode
+  each device sends each expert at most C rows: [X, C, D] buffers."""
+  local = routing.num_experts // shards
+
+  def dropless(x_AD, expert_A, group_sizes_X):
+    a, d = x_AD.shape
+    shard_A = expert_A // local
+    per_shard_S = group_sizes_X.reshape(shards, local).sum(axis=1)
+    start_S = jnp.cumsum(per_shard_S) - per_shard_S
+    pos_A = jnp.arange(a, dtype=jnp.int32) - start_S[shard_A]
+    # Slot p of the buffer for shard s is sorted row start_S[s] + p while p < per_shard_S[s]
+    # (the rows are sorted by expert, so by shard): the buffer is a gather, not a scatter.
+    slot_P = jnp.arange(a, dtype=jnp.int32)
+    used_SP = slot_P[None, :] < per_shard_S[:, None]
+    row_SP = jnp.minimum(start_S[:, None] + slot_P[None, :], a - 1)
+    send_SPD = jnp.where(used_SP[..., None], x_AD[row_SP], 0).astype(x_AD.dtype)
+    # Each row's expert on the receiving shard; `local` marks an empty row.
+    ids_SP = jnp.where(used_SP, expert_A[row_SP] % local, local)
+    recv_RD, ids_R = all_to_all(send_SPD).reshape(shards * a, d), all_to_all(ids_SP).ravel()
+    order_R = jnp.argsort(ids_R, stable=True)  # empty rows last, outside every group
+    sizes_G = jnp.zeros((local,), jnp.int32).at[ids_R].add(1, mode="drop")
+    y_RD = expert_mlp_grouped(recv_RD[order_R], sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD,
+                              routing)
+    back_SPD = all_to_all(y_RD[inverse_permutation(order_R)].reshape(shards, a, d))
+    return back_SPD[shard_A, pos_A], jnp.zeros((a,), bool)
+
+  def capacity_bounded(x_AD, expert_A, group_sizes_X):
+    d = x_AD.shape[1]
+    cap = capacity(tokens, routing)
+    slot_A, kept_A = capacity_slots(expert_A, group_sizes_X, cap)
+    send_XCD = jnp.zeros((routing.num_experts, cap, d), x_AD.dtype)
+    send_XCD = send_XCD.at[expert_A, slot_A].set(x_AD, mode="drop")
+    recv_SGCD = all_to_all(send_XCD.reshape(shards, local, cap, d))
+    x_GRD = recv_SGCD.transpose(1, 0, 2, 3).reshape(local, shards * cap, d)
+    y_GRD = expert_mlp_batched(x_GRD, w_gate_GDF, w_up_GDF, w_down_GFD, routing)
+    y_SGCD = y_GRD.reshape(local, shards, cap, d).transpose(1, 0, 2, 3)
+    y_XCD = all_to_all(y_SGCD).reshape(routing.num_experts, cap, d)
+    return y_XCD.at[expert_A, slot_A].get(mode="fill", fill_value=0), ~kept_A
+
+  return capacity_bounded if routing.capacity_factor > 0 else dropless
+
+
+def moe_layer(x_BTD, mask_BT, router_DX, w_gate_XDF, w_up_XDF, w_down_XFD, routing: Routing):
+  """The MoE block on [B, T, D] tokens, under the current mesh (or none): (out_BTD in x's dtype,
+  the layer's router statistics). Under a mesh each device routes its own tokens
+  (parallel/expert_parallel.over_token_shards), exchanging them with the devices that hold
+  their experts when mesh.expert > 1."""
+  def body(x_ND, mask_N, router_DX, w_gate, w_up, w_down, psum, shards):
+    n = x_ND.shape[0]
+    if shards == 1:
+      experts = local_experts(w_gate, w_up, w_down, routing, n)
+    else:
+      experts = exchanging_experts(w_gate, w_up, w_down, routing, n, shards)
+    return moe_ffn(x_ND, mask_N, router_DX, experts, routing, psum=psum)
+
+  if jax.sharding.get_abstract_mesh().empty:
+    b, t, d = x_BTD.shape
+    out_ND, stats = body(x_BTD.reshape(b * t, d), mask_BT.reshape(b * t), router_DX, w_gate_XDF,
+                         w_up_XDF, w_down_XFD, lambda tree: tree, 1)
+    return out_ND.reshape(b, t, d).astype(x_BTD.dtype), stats
+  return expert_parallel.over_token_shards(body, x_BTD, mask_BT, router_DX, w_gate_XDF,
+                                           w_up_XDF, w_down_XFD)
 
 
 # What the objectives report per step from the router statistics (train_step; metrics.jsonl).
