@@ -56,16 +56,16 @@ def _hidden_states(model, batch: Batch, dropout_key):
   return model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"], **kwargs)
 
 
-def router_terms(model, count, *, training: bool = True):
-  """(loss sum to add, {metric: sum}) of an MoE model's router in its last forward pass, over
-  `count` loss units: its auxiliary losses weighted by moe.aux_loss_coef / router_z_loss_coef
-  (training only: evals report the objective's own loss) and its metrics, as sums so
-  accumulation and evals divide them by the count like the loss. Nothing for a dense model."""
-  router_stats = model.pop_router_stats()
-  if not router_stats:
+def router_terms(model, router_passes: list[dict], count, *, training: bool = True):
+  """(loss sum to add, {metric: sum}) of an MoE model's router in the forward passes collected
+  (models/moe.collect_router_stats), over `count` loss units: its auxiliary losses weighted by
+  moe.aux_loss_coef / router_z_loss_coef (training only: evals report the objective's own
+  loss) and its metrics, as sums so accumulation and evals divide them by the count like the
+  loss. Nothing for a dense model."""
+  if not router_passes:
     return 0.0, {}
   rt = model.cfg.runtime
-  extra, metrics = moe.objective_terms(router_stats, rt.moe_aux_loss_coef, rt.moe_z_loss_coef,
+  extra, metrics = moe.objective_terms(router_passes, rt.moe_aux_loss_coef, rt.moe_z_loss_coef,
                                        rt.moe_capacity_factor > 0)
   return (extra * count if training else 0.0), {k: v * count for k, v in metrics.items()}
 
@@ -76,12 +76,13 @@ def loss_sum_fn(params, graphdef, batch: Batch, loss_chunk_size: int, frozen=Non
   model's loss includes its router's auxiliary losses when `training`."""
   model = merge_model(graphdef, params, frozen)
   batch = model.sequence_layout(batch)
-  x_BTD = _hidden_states(model, batch, dropout_key)
+  with moe.collect_router_stats() as router_passes:
+    x_BTD = _hidden_states(model, batch, dropout_key)
   w, vocab_axis = model.head()
   loss_sum, count = chunked_cross_entropy(
       x_BTD, w, batch["targets"], batch["loss_mask"], loss_chunk_size,
       model.cfg.runtime.explicit_transpose_for_dw, vocab_axis)
-  extra, metrics = router_terms(model, count, training=training)
+  extra, metrics = router_terms(model, router_passes, count, training=training)
   return loss_sum + extra, count, metrics
 
 

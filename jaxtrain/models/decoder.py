@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtrain.models import moe
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.layers import Block, norm, param
 from jaxtrain.models.remat import remat_policy
@@ -146,8 +147,8 @@ class Decoder(nnx.Module):
     `dropout_key`: LoRA dropout (training); None (eval, generation) runs without. Each layer
     gets its own key from it, and each adapter folds in its projection's index.
 
-    An MoE model keeps its layers' router statistics (models/moe.py) from the call, for the
-    objective to take with `pop_router_stats`.
+    An MoE model reports its layers' router statistics to the objective that collects them
+    (models/moe.collect_router_stats).
     """
     cfg = self.cfg
     b, t = tokens_BT.shape
@@ -172,18 +173,8 @@ class Decoder(nnx.Module):
       if layer_stats:
         stats.append(layer_stats)
     if stats:
-      self.sow(nnx.Intermediate, "router_stats",
-               jax.tree.map(lambda *s: jnp.concatenate(s), *stats))
+      moe.report_router_stats(jax.tree.map(lambda *s: jnp.concatenate(s), *stats))
     return self.final_norm(x_BTD)
-
-  def pop_router_stats(self) -> dict:
-    """The MoE layers' router statistics of the last `hidden_states` call, each stacked
-    [L_moe, ...], removed from the model; {} for a dense model (or when none are kept)."""
-    kept = nnx.pop(self, nnx.Intermediate)
-    sown = kept.get("router_stats") if "router_stats" in kept else None
-    if sown is None:
-      return {}
-    return sown[-1] if isinstance(sown, tuple) else sown.value[-1]
 
   def empty_cache(self, batch: int, length: int) -> dict[str, jax.Array]:
     """A KV cache for `batch` rows of `length` positions: {"k", "v"}, [L, B, S, K, E] each."""

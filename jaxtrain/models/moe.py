@@ -25,6 +25,7 @@ sums the statistics over the devices, so one device and eight give the same numb
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -250,16 +251,41 @@ def moe_layer(x_BTD, mask_BT, router_DX, w_gate_XDF, w_up_XDF, w_down_XFD, routi
                                            w_up_XDF, w_down_XFD)
 
 
+# The router statistics of the forward passes traced inside `collect_router_stats()`: the
+# decoder reports each pass's (stacked over its MoE layers); the objective that opened the
+# collection turns them into losses and metrics in the same trace.
+_COLLECTIONS: list[list[dict]] = []
+
+
+@contextlib.contextmanager
+def collect_router_stats():
+  """Collects the router statistics of the MoE forward passes traced inside the block: a list,
+  one dict per pass (nothing for a dense model)."""
+  collected: list[dict] = []
+  _COLLECTIONS.append(collected)
+  try:
+    yield collected
+  finally:
+    _COLLECTIONS.pop()
+
+
+def report_router_stats(stats: dict) -> None:
+  """Hands a forward pass's statistics to the innermost open collection (if any)."""
+  if _COLLECTIONS:
+    _COLLECTIONS[-1].append(stats)
+
+
 # What the objectives report per step from the router statistics (train_step; metrics.jsonl).
 METRIC_NAMES = ("moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_dropped_fraction")
 
 
-def objective_terms(stats: dict, aux_loss_coef: float, z_loss_coef: float,
+def objective_terms(passes: list[dict], aux_loss_coef: float, z_loss_coef: float,
                     capacity_mode: bool):
-  """(what the router adds to the loss, {metric: value}) from the MoE layers' statistics
-  (stacked [L_moe, ...]): the aux and z losses averaged over the layers and weighted; the
-  busiest expert's load over the mean, the maximum over layers; in capacity mode the share of
-  assignments dropped."""
+  """(what the router adds to the loss, {metric: value}) from the MoE layers' statistics of
+  the collected forward passes (each stacked [L_moe, ...]): the aux and z losses averaged over
+  the layers and weighted; the busiest expert's load over the mean, the maximum over layers;
+  in capacity mode the share of assignments dropped."""
+  stats = jax.tree.map(lambda *s: jnp.concatenate(s), *passes)
   aux, z = jnp.mean(stats["aux_loss"]), jnp.mean(stats["z_loss"])
   metrics = {"moe_aux_loss": aux, "moe_z_loss": z, "moe_max_load": jnp.max(stats["max_load"])}
   if capacity_mode:

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from jaxtrain import dpo as dpo_lib
 from jaxtrain.config import ConfigError
+from jaxtrain.models import moe
 from jaxtrain.objectives.base import Objective, reference_model
 
 
@@ -59,10 +60,11 @@ class DPO(Objective):
 
     def sums(params, frozen, batch, reference, dropout_key):
       policy = merge_model(graphdef, params, frozen)
-      loss_sum, count, metrics = dpo_lib.dpo_sums(policy, reference, batch, beta,
-                                                  chunk_size=loss_chunk_size,
-                                                  dropout_key=dropout_key)
-      extra, router_metrics = router_terms(policy, count, training=training)
+      with moe.collect_router_stats() as router_passes:  # the policy's pass (an MoE model)
+        loss_sum, count, metrics = dpo_lib.dpo_sums(policy, reference, batch, beta,
+                                                    chunk_size=loss_chunk_size,
+                                                    dropout_key=dropout_key)
+      extra, router_metrics = router_terms(policy, router_passes, count, training=training)
       return loss_sum + extra, count, {**metrics, **router_metrics}
     return reference_logprobs, sums
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxtrain import grpo as grpo_lib
 from jaxtrain import rewards
 from jaxtrain.config import REWARD_ERROR_POLICIES, ConfigError
+from jaxtrain.models import moe
 from jaxtrain.objectives.base import Objective, reference_model
 
 # Metrics of the rollouts, measured on the host (jaxtrain.rollouts) and logged per step beside
@@ -159,8 +160,9 @@ class GRPO(Objective):
     def sums(params, frozen, batch, ref_logprobs_BT, dropout_key):
       policy = merge_model(graphdef, params, frozen)
       rows = grpo_lib.in_layout(policy, batch)
-      logprobs_BT = grpo_lib.token_logprobs(policy, rows, chunk_size=loss_chunk_size,
-                                            dropout_key=dropout_key)
+      with moe.collect_router_stats() as router_passes:  # the policy's pass (an MoE model)
+        logprobs_BT = grpo_lib.token_logprobs(policy, rows, chunk_size=loss_chunk_size,
+                                              dropout_key=dropout_key)
       # One update per batch of rollouts: the sampling policy is this one (ratio 1, gradient
       # of the ratio = gradient of the log-probs).
       old_BT = rows[grpo_lib.OLD_LOGPROBS] if reuse else jax.lax.stop_gradient(logprobs_BT)
@@ -168,7 +170,7 @@ class GRPO(Objective):
       loss_sum, count, metrics = grpo_lib.grpo_sums(
           logprobs_BT, old_BT, jax.lax.stop_gradient(ref_BT), rows["advantages"],
           rows["loss_mask"], epsilon=epsilon, beta=beta)
-      extra, router_metrics = router_terms(policy, count, training=training)
+      extra, router_metrics = router_terms(policy, router_passes, count, training=training)
       return loss_sum + extra, count, {**metrics, **router_metrics}
     return reference_logprobs, sums
 
