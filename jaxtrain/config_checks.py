@@ -170,11 +170,6 @@ def _check_moe(config, mesh: MeshShape):
     raise ConfigError(f"mesh.stage={mesh.stage}: pipeline stages of MoE layers are not "
                       f"supported yet (their router statistics would have to cross the "
                       f"stages); use mesh.expert and mesh.fsdp for these devices")
-  if config.lora.rank > 0:
-    refused = [t for t in lora_targets(config) if t in ("gate", "up", "down")]
-    if refused:
-      raise ConfigError(f"lora.targets: {refused[0]!r}: adapters on the experts are not "
-                        f"supported yet; adapt the attention projections (q,k,v,o)")
 
 
 def _check_pipeline(config, mesh: MeshShape):

@@ -94,6 +94,14 @@ def _per_token_reference(x, router, w_gate, w_up, w_down, norm, capacity=None):
   return out.reshape(x.shape), dropped
 
 
+def _experts(w_gate, w_up, w_down):
+  return {"gate": w_gate, "up": w_up, "down": w_down}
+
+
+def _call(routing):
+  return jax.jit(lambda x, m, r, *w: moe_layer(x, m, r, _experts(*w), routing))
+
+
 def _routing(norm=True, capacity_factor=0.0, impl="blocked"):
   return Routing(num_experts=X, top_k=K, norm_topk_prob=norm, capacity_factor=capacity_factor,
                  activation="silu", matmul_impl=impl, dtype="float32")
@@ -103,7 +111,8 @@ def _routing(norm=True, capacity_factor=0.0, impl="blocked"):
 @pytest.mark.parametrize("impl", ["blocked", "ragged"])
 def test_dropless_block_equals_each_tokens_experts_applied_one_by_one(norm, impl):
   x, mask, router, wg, wu, wd = _inputs()
-  out, stats = jax.jit(lambda *a: moe_layer(*a, _routing(norm, impl=impl)))(
+  out, stats = jax.jit(lambda x, m, r, *w: moe_layer(x, m, r, _experts(*w),
+                                                     _routing(norm, impl=impl)))(
       x, mask, router, wg, wu, wd)
   want, _ = _per_token_reference(x, router, wg, wu, wd, norm)
   np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
@@ -114,8 +123,7 @@ def test_capacity_mode_drops_past_capacity_in_choice_then_token_order():
   x, mask, router, wg, wu, wd = _inputs(1)
   routing = _routing(capacity_factor=1.0)
   cap = int(np.ceil(1.0 * B * T * K / X))
-  out, stats = jax.jit(lambda *a: moe_layer(*a, routing))(x, np.ones_like(mask), router, wg,
-                                                           wu, wd)
+  out, stats = _call(routing)(x, np.ones_like(mask), router, wg, wu, wd)
   want, dropped = _per_token_reference(x, router, wg, wu, wd, True, capacity=cap)
   assert dropped > 0  # random routing overfills some expert at factor 1
   np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
@@ -124,7 +132,7 @@ def test_capacity_mode_drops_past_capacity_in_choice_then_token_order():
 
 def test_router_statistics_follow_their_formulas():
   x, mask, router, wg, wu, wd = _inputs(2)
-  _, stats = jax.jit(lambda *a: moe_layer(*a, _routing()))(x, mask, router, wg, wu, wd)
+  _, stats = _call(_routing())(x, mask, router, wg, wu, wd)
   xs, m = x.reshape(-1, D).astype(np.float64), mask.reshape(-1)
   logits = xs @ router
   probs = np.exp(logits - logits.max(-1, keepdims=True))
@@ -139,13 +147,12 @@ def test_router_statistics_follow_their_formulas():
   np.testing.assert_allclose(stats["z_loss"], np.sum(lse ** 2 * m) / tokens, rtol=1e-5)
   np.testing.assert_allclose(stats["max_load"], load.max() / load.mean(), rtol=1e-6)
   # Balanced routing gives an aux loss of 1 (the form's floor): uniform router probabilities.
-  _, even = jax.jit(lambda *a: moe_layer(*a, _routing()))(x, mask, np.zeros_like(router), wg,
-                                                          wu, wd)
+  _, even = _call(_routing())(x, mask, np.zeros_like(router), wg, wu, wd)
   assert float(even["aux_loss"]) == pytest.approx(X * K / X * 1 / X * X / K, rel=1e-6)
 
 
 def _loss(x, mask, router, wg, wu, wd, routing):
-  out, stats = moe_layer(x, mask, router, wg, wu, wd, routing)
+  out, stats = moe_layer(x, mask, router, _experts(wg, wu, wd), routing)
   return jnp.sum(out ** 2) + stats["aux_loss"] + stats["z_loss"]
 
 
@@ -177,8 +184,7 @@ def test_capacity_mode_under_expert_parallelism_counts_each_devices_drops():
   mesh = mesh_of({"expert": 4, "fsdp": 2})
   routing = _routing(capacity_factor=1.0)
   with jax.set_mesh(mesh):
-    out, stats = jax.jit(lambda *a: moe_layer(*a, routing))(x, np.ones_like(mask), router, wg,
-                                                             wu, wd)
+    out, stats = _call(routing)(x, np.ones_like(mask), router, wg, wu, wd)
   # Capacity is per device: each of the 8 devices routes its own tokens (one row of 12).
   want = np.zeros_like(x)
   dropped = 0

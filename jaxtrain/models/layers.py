@@ -29,7 +29,7 @@ from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.rope import apply_rope, rope_inv_freq
 from jaxtrain.parallel.mesh import shard
 from jaxtrain.peft import lora as lora_lib
-from jaxtrain.peft.projection import project
+from jaxtrain.peft.projection import project, weight_value
 from jaxtrain.peft.quantize import QuantizedWeight
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
@@ -40,12 +40,15 @@ def param(rngs: nnx.Rngs, shape, names, std, dtype) -> nnx.Param:
   return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names)
 
 
-def _weight(cfg: ModelConfig, rngs: nnx.Rngs, shape, names, std, num_in: int = 1):
-  """A projection weight [*in, *out]: a Param, or its frozen quantized storage under QLoRA."""
+def _weight(cfg: ModelConfig, rngs: nnx.Rngs, shape, names, std, num_in: int = 1,
+            in_axis: int = 0):
+  """A projection weight [*in, *out] (or with its input dim at `in_axis`, as the experts'
+  [X, I, O]): a Param, or its frozen quantized storage under QLoRA."""
   w = param(rngs, shape, names, std, jnp.dtype(cfg.runtime.param_dtype))
   if cfg.peft.base_quant == "none":
     return w
-  return QuantizedWeight(w[...], names, cfg.peft.base_quant, cfg.peft.quant_group_size, num_in)
+  return QuantizedWeight(w[...], names, cfg.peft.base_quant, cfg.peft.quant_group_size, num_in,
+                         in_axis)
 
 
 def _bias(cfg: ModelConfig, shape, names) -> nnx.Param:
@@ -237,31 +240,46 @@ class MLP(nnx.Module):
 
 class MoE(nnx.Module):
   """Mixture of Experts in the MLP's place (models/moe.py): a router [D, X] and X gated MLPs
-  stored as [X, D, F] / [X, F, D] stacks, run by parallel/expert_parallel.moe_layer."""
+  stored as [X, D, F] / [X, F, D] stacks, run by moe.moe_layer. Under LoRA each targeted
+  projection of the experts gets per-expert adapters; under QLoRA the experts are stored
+  quantized (groups along each expert's input dim), the router stays as it is."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     a, rt = cfg.arch, cfg.runtime
     d, f, x = a.d_model, a.expert_dim, a.num_experts
     out_std = a.init_std / math.sqrt(2 * a.num_layers)
-    dtype = jnp.dtype(rt.param_dtype)
     # The router stays in the param dtype: its logits are computed in float32.
-    self.router_DX = param(rngs, (d, x), ("embed", None), a.init_std, dtype)
-    up = (x, d, f), ("experts", "expert_embed", "expert_mlp")
-    down = (x, f, d), ("experts", "expert_mlp", "expert_embed")
-    self.w_gate_XDF = param(rngs, *up, a.init_std, dtype)
-    self.w_up_XDF = param(rngs, *up, a.init_std, dtype)
-    self.w_down_XFD = param(rngs, *down, out_std, dtype)
+    self.router_DX = param(rngs, (d, x), ("embed", None), a.init_std,
+                           jnp.dtype(rt.param_dtype))
+    up, down = (x, d, f), (x, f, d)
+    names = moe_lib.WEIGHT_NAMES
+    self.w_gate_XDF = _weight(cfg, rngs, up, names["gate"], a.init_std, in_axis=1)
+    self.w_up_XDF = _weight(cfg, rngs, up, names["up"], a.init_std, in_axis=1)
+    self.w_down_XFD = _weight(cfg, rngs, down, names["down"], out_std, in_axis=1)
+    self.lora_gate = lora_lib.expert_adapter(cfg.peft, rngs, "gate", "w_gate_XDF", up,
+                                             names["gate"])
+    self.lora_up = lora_lib.expert_adapter(cfg.peft, rngs, "up", "w_up_XDF", up, names["up"])
+    self.lora_down = lora_lib.expert_adapter(cfg.peft, rngs, "down", "w_down_XFD", down,
+                                             names["down"])
     self.routing = moe_lib.Routing(
         num_experts=x, top_k=a.experts_per_token, norm_topk_prob=a.norm_topk_prob,
         capacity_factor=rt.moe_capacity_factor, activation=a.features.mlp_activation,
-        matmul_impl=resolve_impl(rt.moe_grouped_matmul, rt.platform), dtype=rt.dtype)
+        matmul_impl=resolve_impl(rt.moe_grouped_matmul, rt.platform), dtype=rt.dtype,
+        lora_scale=cfg.peft.lora_alpha / cfg.peft.lora_rank if cfg.peft.lora_rank else 0.0)
 
   def __call__(self, x_BTD, mask_BT):
     """(out_BTD, the layer's router statistics); `mask_BT`: the tokens the statistics count."""
     dtype = self.routing.dtype
-    out_BTD, stats = moe_lib.moe_layer(
-        x_BTD, mask_BT, self.router_DX[...], self.w_gate_XDF[...].astype(dtype),
-        self.w_up_XDF[...].astype(dtype), self.w_down_XFD[...].astype(dtype), self.routing)
+    experts = {}
+    for name, weight, lora in (("gate", self.w_gate_XDF, self.lora_gate),
+                               ("up", self.w_up_XDF, self.lora_up),
+                               ("down", self.w_down_XFD, self.lora_down)):
+      experts[name] = weight_value(weight, dtype)
+      if lora is not None:
+        experts[name + "_a"] = lora.a_XIR[...].astype(dtype)
+        experts[name + "_b"] = lora.b_XRO[...].astype(dtype)
+    out_BTD, stats = moe_lib.moe_layer(x_BTD, mask_BT, self.router_DX[...], experts,
+                                       self.routing)
     return checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")),
                            "mlp_down"), stats
 

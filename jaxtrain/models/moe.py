@@ -52,6 +52,12 @@ class Routing:
   activation: str
   matmul_impl: str  # "ragged" | "blocked" (resolved)
   dtype: str
+  lora_scale: float = 0.0  # alpha / rank of the experts' adapters, when they have them
+
+
+# The experts' weights travel as a dict: "gate", "up" [X, D, F] and "down" [X, F, D], and for
+# each with LoRA adapters "<name>_a" [X, I, R] and "<name>_b" [X, R, O].
+PROJECTIONS = ("gate", "up", "down")
 
 
 def route(logits_NX: jax.Array, top_k: int, norm_topk_prob: bool):
@@ -100,21 +106,32 @@ def unsort_and_combine(y_AD: jax.Array, order_A: jax.Array, weights_NK: jax.Arra
   return jnp.einsum("KND,NK->ND", y_KND, weights_NK)
 
 
-def expert_mlp_grouped(x_RD, group_sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD, routing):
-  """Each group's rows through its expert's gated MLP: three grouped matmuls."""
-  mm = functools.partial(grouped_matmul, group_sizes_G=group_sizes_G, impl=routing.matmul_impl)
+def expert_mlp_grouped(x_RD, group_sizes_G, experts: dict, routing: Routing):
+  """Each group's rows through its expert's gated MLP: three grouped matmuls (and two more per
+  projection with adapters, through the rank-R factors)."""
+  def mm(x, name):
+    y = grouped_matmul(x, experts[name], group_sizes_G, impl=routing.matmul_impl)
+    if name + "_a" in experts:
+      h = grouped_matmul(x, experts[name + "_a"], group_sizes_G, impl=routing.matmul_impl)
+      y = y + grouped_matmul(h * routing.lora_scale, experts[name + "_b"], group_sizes_G,
+                             impl=routing.matmul_impl)
+    return y
   act = _ACTIVATIONS[routing.activation]
-  h_RF = act(mm(x_RD, w_gate_GDF)) * mm(x_RD, w_up_GDF)
-  return mm(h_RF, w_down_GFD)
+  return mm(act(mm(x_RD, "gate")) * mm(x_RD, "up"), "down")
 
 
-def expert_mlp_batched(x_GCD, w_gate_GDF, w_up_GDF, w_down_GFD, routing):
-  """Each expert's C buffered rows through its gated MLP: three batched matmuls."""
+def expert_mlp_batched(x_GCD, experts: dict, routing: Routing):
+  """Each expert's C buffered rows through its gated MLP: three batched matmuls (and the
+  adapters' factors)."""
+  def mm(x, name):
+    y = jnp.einsum("GCI,GIO->GCO", x, experts[name], preferred_element_type=jnp.float32)
+    if name + "_a" in experts:
+      h = jnp.einsum("GCI,GIR->GCR", x, experts[name + "_a"]) * routing.lora_scale
+      y = y + jnp.einsum("GCR,GRO->GCO", h, experts[name + "_b"],
+                         preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
   act = _ACTIVATIONS[routing.activation]
-  mm = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
-  h_GCF = (act(mm("GCD,GDF->GCF", x_GCD, w_gate_GDF))
-           * mm("GCD,GDF->GCF", x_GCD, w_up_GDF)).astype(x_GCD.dtype)
-  return mm("GCF,GFD->GCD", h_GCF, w_down_GFD).astype(x_GCD.dtype)
+  return mm(act(mm(x_GCD, "gate")) * mm(x_GCD, "up"), "down")
 
 
 def capacity_slots(expert_A, group_sizes_X, cap: int):
@@ -149,20 +166,20 @@ def router_stats(logits_NX, probs_NX, experts_NK, mask_N, dropped_A, psum):
   }
 
 
-def local_experts(w_gate_XDF, w_up_XDF, w_down_XFD, routing: Routing, tokens: int):
+def local_experts(experts: dict, routing: Routing, tokens: int):
   """The dispatch when this device holds every expert: `experts(x_AD, expert_A, group_sizes_X)
   -> (y_AD, dropped_A)` on the assignments in expert order."""
-  def experts(x_AD, expert_A, group_sizes_X):
+  def run(x_AD, expert_A, group_sizes_X):
     if routing.capacity_factor <= 0:
-      y_AD = expert_mlp_grouped(x_AD, group_sizes_X, w_gate_XDF, w_up_XDF, w_down_XFD, routing)
+      y_AD = expert_mlp_grouped(x_AD, group_sizes_X, experts, routing)
       return y_AD, jnp.zeros(expert_A.shape, bool)
     cap = capacity(tokens, routing)
     slot_A, kept_A = capacity_slots(expert_A, group_sizes_X, cap)
     buffer_XCD = jnp.zeros((routing.num_experts, cap, x_AD.shape[1]), x_AD.dtype)
     buffer_XCD = buffer_XCD.at[expert_A, slot_A].set(x_AD, mode="drop")
-    y_XCD = expert_mlp_batched(buffer_XCD, w_gate_XDF, w_up_XDF, w_down_XFD, routing)
+    y_XCD = expert_mlp_batched(buffer_XCD, experts, routing)
     return y_XCD.at[expert_A, slot_A].get(mode="fill", fill_value=0), ~kept_A
-  return experts
+  return run
 
 
 def moe_ffn(x_ND, mask_N, router_DX, experts, routing: Routing, *, psum=lambda t: t):
@@ -180,8 +197,8 @@ def moe_ffn(x_ND, mask_N, router_DX, experts, routing: Routing, *, psum=lambda t
   return out_ND, router_stats(logits_NX, probs_NX, experts_NK, mask_N, dropped_A, psum)
 
 
-def exchanging_experts(w_gate_GDF, w_up_GDF, w_down_GFD, routing: Routing, tokens: int,
-                       shards: int, all_to_all=expert_parallel.all_to_all):
+def exchanging_experts(experts: dict, routing: Routing, tokens: int, shards: int,
+                       all_to_all=expert_parallel.all_to_all):
   """The dispatch when this device holds G = X/E of the experts (mesh.expert = E): the
   assignments travel to their experts' shards and back by all-to-all; `experts(x_AD,
   expert_A, group_sizes_X) -> (y_AD, dropped_A)` as for `local_experts`.
@@ -208,8 +225,7 @@ def exchanging_experts(w_gate_GDF, w_up_GDF, w_down_GFD, routing: Routing, token
     recv_RD, ids_R = all_to_all(send_SPD).reshape(shards * a, d), all_to_all(ids_SP).ravel()
     order_R = jnp.argsort(ids_R, stable=True)  # empty rows last, outside every group
     sizes_G = jnp.zeros((local,), jnp.int32).at[ids_R].add(1, mode="drop")
-    y_RD = expert_mlp_grouped(recv_RD[order_R], sizes_G, w_gate_GDF, w_up_GDF, w_down_GFD,
-                              routing)
+    y_RD = expert_mlp_grouped(recv_RD[order_R], sizes_G, experts, routing)
     back_SPD = all_to_all(y_RD[inverse_permutation(order_R)].reshape(shards, a, d))
     return back_SPD[shard_A, pos_A], jnp.zeros((a,), bool)
 
@@ -221,7 +237,7 @@ def exchanging_experts(w_gate_GDF, w_up_GDF, w_down_GFD, routing: Routing, token
     send_XCD = send_XCD.at[expert_A, slot_A].set(x_AD, mode="drop")
     recv_SGCD = all_to_all(send_XCD.reshape(shards, local, cap, d))
     x_GRD = recv_SGCD.transpose(1, 0, 2, 3).reshape(local, shards * cap, d)
-    y_GRD = expert_mlp_batched(x_GRD, w_gate_GDF, w_up_GDF, w_down_GFD, routing)
+    y_GRD = expert_mlp_batched(x_GRD, experts, routing)
     y_SGCD = y_GRD.reshape(local, shards, cap, d).transpose(1, 0, 2, 3)
     y_XCD = all_to_all(y_SGCD).reshape(routing.num_experts, cap, d)
     return y_XCD.at[expert_A, slot_A].get(mode="fill", fill_value=0), ~kept_A
@@ -229,26 +245,39 @@ def exchanging_experts(w_gate_GDF, w_up_GDF, w_down_GFD, routing: Routing, token
   return capacity_bounded if routing.capacity_factor > 0 else dropless
 
 
-def moe_layer(x_BTD, mask_BT, router_DX, w_gate_XDF, w_up_XDF, w_down_XFD, routing: Routing):
+def moe_layer(x_BTD, mask_BT, router_DX, experts: dict, routing: Routing,
+              expert_names: dict | None = None):
   """The MoE block on [B, T, D] tokens, under the current mesh (or none): (out_BTD in x's dtype,
-  the layer's router statistics). Under a mesh each device routes its own tokens
-  (parallel/expert_parallel.over_token_shards), exchanging them with the devices that hold
-  their experts when mesh.expert > 1."""
-  def body(x_ND, mask_N, router_DX, w_gate, w_up, w_down, psum, shards):
+  the layer's router statistics). `experts`: the weights (PROJECTIONS, and adapters) in the
+  compute dtype; `expert_names` their logical axes (default: the weights'). Under a mesh each
+  device routes its own tokens (parallel/expert_parallel.over_token_shards), exchanging them
+  with the devices that hold their experts when mesh.expert > 1."""
+  def body(x_ND, mask_N, router_DX, experts, psum, shards):
     n = x_ND.shape[0]
     if shards == 1:
-      experts = local_experts(w_gate, w_up, w_down, routing, n)
+      run = local_experts(experts, routing, n)
     else:
-      experts = exchanging_experts(w_gate, w_up, w_down, routing, n, shards)
-    return moe_ffn(x_ND, mask_N, router_DX, experts, routing, psum=psum)
+      run = exchanging_experts(experts, routing, n, shards)
+    return moe_ffn(x_ND, mask_N, router_DX, run, routing, psum=psum)
 
   if jax.sharding.get_abstract_mesh().empty:
     b, t, d = x_BTD.shape
-    out_ND, stats = body(x_BTD.reshape(b * t, d), mask_BT.reshape(b * t), router_DX, w_gate_XDF,
-                         w_up_XDF, w_down_XFD, lambda tree: tree, 1)
+    out_ND, stats = body(x_BTD.reshape(b * t, d), mask_BT.reshape(b * t), router_DX, experts,
+                         lambda tree: tree, 1)
     return out_ND.reshape(b, t, d).astype(x_BTD.dtype), stats
-  return expert_parallel.over_token_shards(body, x_BTD, mask_BT, router_DX, w_gate_XDF,
-                                           w_up_XDF, w_down_XFD)
+  names = expert_names or {k: WEIGHT_NAMES[k] for k in experts}
+  return expert_parallel.over_token_shards(body, x_BTD, mask_BT, router_DX, experts, names)
+
+
+# Logical axes of the expert weights (mesh.LOGICAL_RULES), and of their adapters' factors.
+WEIGHT_NAMES = {
+    "gate": ("experts", "expert_embed", "expert_mlp"),
+    "up": ("experts", "expert_embed", "expert_mlp"),
+    "down": ("experts", "expert_mlp", "expert_embed"),
+}
+for _name, (_x, _i, _o) in list(WEIGHT_NAMES.items()):
+  WEIGHT_NAMES[_name + "_a"] = (_x, _i, "lora_rank")
+  WEIGHT_NAMES[_name + "_b"] = (_x, "lora_rank", _o)
 
 
 # The router statistics of the forward passes traced inside `collect_router_stats()`: the

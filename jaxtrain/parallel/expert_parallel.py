@@ -29,7 +29,7 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.parallel.mesh import BATCH_AXES, axis_size
+from jaxtrain.parallel.mesh import BATCH_AXES, axis_size, gathered_spec
 
 EXPERT_AXIS = "expert"
 
@@ -39,31 +39,30 @@ def all_to_all(x):
   return jax.lax.all_to_all(x, EXPERT_AXIS, split_axis=0, concat_axis=0, tiled=True)
 
 
-def over_token_shards(body: Callable, x_BTD, mask_BT, router_DX, w_gate_XDF, w_up_XDF,
-                      w_down_XFD):
-  """`body(x_ND, mask_N, router_DX, w_gate, w_up, w_down, psum, expert_shards)` on each
-  device's tokens under the current mesh, inside shard_map: x_ND and mask_N this device's
-  tokens (flattened), the router whole, the experts this device's slice ([X/E, D, F/tp]: the
-  `expert` axis splits them, `tensor` their hidden dim; FSDP's shards gathered on the way in),
-  `psum(tree)` the sum over the devices holding other tokens, `expert_shards` E. `body` returns
-  (out_ND float32, statistics); the partial outputs of the tensor shards are summed here.
-  Returns (out_BTD in x's dtype, statistics)."""
+def over_token_shards(body: Callable, x_BTD, mask_BT, router_DX, experts: dict,
+                      expert_names: dict):
+  """`body(x_ND, mask_N, router_DX, experts, psum, expert_shards)` on each device's tokens
+  under the current mesh, inside shard_map: x_ND and mask_N this device's tokens (flattened),
+  the router whole, `experts` ({name: array}, logical axes in `expert_names`) this device's
+  slices: split over `expert` and over `tensor` where their names say so, FSDP's shards
+  gathered on the way in (mesh.gathered_spec). `psum(tree)` sums over the devices holding
+  other tokens; `expert_shards` is E. `body` returns (out_ND float32, statistics); the partial
+  outputs of the tensor shards are summed here. Returns (out_BTD in x's dtype, statistics)."""
   b, t, d = x_BTD.shape
   mesh = jax.sharding.get_abstract_mesh()
   token_axes = tuple(a for a in BATCH_AXES + ("context",) if a in mesh.axis_names)
   shards = axis_size(EXPERT_AXIS, mesh)
 
-  def per_device(x_btD, mask_bt, router_DX, w_gate, w_up, w_down):
+  def per_device(x_btD, mask_bt, router_DX, experts):
     bl, tl, _ = x_btD.shape
     out_ND, stats = body(x_btD.reshape(bl * tl, d), mask_bt.reshape(bl * tl), router_DX,
-                         w_gate, w_up, w_down, lambda tree: jax.lax.psum(tree, token_axes),
-                         shards)
+                         experts, lambda tree: jax.lax.psum(tree, token_axes), shards)
     out_ND = jax.lax.psum(out_ND, "tensor")  # each tensor shard computed its F slice
     return out_ND.reshape(bl, tl, d).astype(x_btD.dtype), stats
 
   tokens = P(BATCH_AXES, "context", None)
-  up, down = P(EXPERT_AXIS, None, "tensor"), P(EXPERT_AXIS, "tensor", None)
+  expert_specs = {k: gathered_spec(expert_names[k]) for k in experts}
   return jax.shard_map(
       per_device, mesh=mesh,
-      in_specs=(tokens, P(BATCH_AXES, "context"), P(), up, up, down),
-      out_specs=(tokens, P()))(x_BTD, mask_BT, router_DX, w_gate_XDF, w_up_XDF, w_down_XFD)
+      in_specs=(tokens, P(BATCH_AXES, "context"), P(), expert_specs),
+      out_specs=(tokens, P()))(x_BTD, mask_BT, router_DX, experts)

@@ -68,6 +68,40 @@ class LoRA(nnx.Module):
     return w_LIO.reshape(*lead, *self.in_shape, *self.out_shape)
 
 
+class ExpertLoRA(nnx.Module):
+  """The adapters of an MoE layer's stacked expert weight `weight_name` [X, I, O]: one LoRA per
+  expert, A [X, I, R] and B [X, R, O] (initialized as LoRA's), applied to each row with its
+  expert's pair by the same grouped matmul as the weight (models/moe.py)."""
+
+  def __init__(self, target: str, weight_name: str, shape, names, rank: int, alpha: float,
+               param_dtype, rngs: nnx.Rngs):
+    x, i, o = shape
+    bound = 1.0 / math.sqrt(i)
+    a_XIR = jax.random.uniform(rngs.params(), (x, i, rank), param_dtype, -bound, bound)
+    self.a_XIR = Adapter(a_XIR, out_sharding=(names[0], names[1], "lora_rank"))
+    self.b_XRO = Adapter(jnp.zeros((x, rank, o), param_dtype),
+                         out_sharding=(names[0], "lora_rank", names[2]))
+    self.target = target
+    self.weight_name = weight_name
+    self.rank = rank
+    self.scale = alpha / rank
+
+  def delta_weight(self) -> jax.Array:
+    """(alpha / r) * A @ B per expert as [*lead, X, I, O] float32, for merging."""
+    return jnp.matmul(self.a_XIR[...].astype(jnp.float32), self.b_XRO[...].astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST) * self.scale
+
+
+def expert_adapter(peft, rngs: nnx.Rngs, target: str, weight_name: str, shape,
+                   names) -> ExpertLoRA | None:
+  """The experts' adapters for projection `target` ("gate", "up", "down") when
+  peft.lora_rank > 0 and it is a target, else None."""
+  if peft.lora_rank == 0 or target not in peft.lora_targets:
+    return None
+  return ExpertLoRA(target, weight_name, shape, names, peft.lora_rank, peft.lora_alpha,
+                    jnp.float32, rngs)
+
+
 def _low_rank(x_BTI, a_IR, b_RO, scale):
   """(x @ A) @ B * scale, the second matmul with a size-1 batch dim that XLA removes.
 

@@ -52,7 +52,7 @@ _NF4_MIDPOINTS = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
 # FSDP shards weights along `embed` and gathers them whole for the matmul (GSPMD inserts the
 # all-gather). Constraining the codes (and scales) to be whole along `embed` first makes that
 # gather move 4-bit/8-bit codes rather than the dequantized weight: 4-8x fewer bytes.
-_GATHERED = ("embed",)
+_GATHERED = ("embed", "expert_embed")
 
 
 class Quantized(nnx.Variable):
@@ -150,32 +150,51 @@ class QuantizedWeight(nnx.Module):
 
   codes/scales carry the weight's logical axes (the flattened input dim named after its
   outermost input axis), so under `nnx.vmap` over layers they stack to [L, ...] with `layers`
-  in front, like the Param they replace.
+  in front, like the Param they replace. `in_axis`: where a single input dim sits in the
+  weight when it is not first (an MoE layer's experts [X, D, F]: D); the storage puts it first
+  ([D, X, F]: groups run along D within each expert) and dequantizing puts it back.
   """
 
-  def __init__(self, w: jax.Array, names, scheme: str, group_size: int, num_in: int = 1):
-    codes, scales = quantize(w, scheme, group_size, num_in)
-    storage_names = (names[0], *names[num_in:])
+  def __init__(self, w: jax.Array, names, scheme: str, group_size: int, num_in: int = 1,
+               in_axis: int = 0):
+    if in_axis and num_in != 1:
+      raise ValueError(f"QuantizedWeight: in_axis={in_axis} needs a single input dim")
+    order = (in_axis, *(i for i in range(w.ndim) if i != in_axis))
+    stored_names = tuple(names[i] for i in order)
+    codes, scales = quantize(jnp.transpose(w, order) if in_axis else w, scheme, group_size,
+                             num_in)
+    storage_names = (stored_names[0], *stored_names[num_in:])
     self.codes = Quantized(codes, out_sharding=storage_names)
     self.scales = Quantized(scales, out_sharding=storage_names)
     self.scheme = scheme
     self.shape = tuple(w.shape)  # of one layer's weight, unquantized
+    self.stored_shape = tuple(w.shape[i] for i in order)
     self.num_in = num_in
+    self.in_axis = in_axis
     self.storage_names = storage_names
+
+  @property
+  def in_size(self) -> int:
+    """Input elements per output (what the quantization groups split)."""
+    return math.prod(self.stored_shape[:self.num_in])
+
+  def _num_lead(self, ndim: int) -> int:
+    return ndim - (len(self.shape) - self.num_in + 1)
 
   def dequantize(self, dtype) -> jax.Array:
     """The weight [*lead, *shape] in `dtype`; lead = stacked layer dims, if any."""
     codes, scales = self.codes[...], self.scales[...]
-    num_lead = codes.ndim - (len(self.shape) - self.num_in + 1)
+    num_lead = self._num_lead(codes.ndim)
     if num_lead == 0:
       gathered = tuple(None if n in _GATHERED else n for n in self.storage_names)
       codes, scales = shard(codes, gathered), shard(scales, gathered)
-    fn = lambda c, s: dequantize(c, s, self.scheme, self.shape, dtype)  # noqa: E731
-    return _over_leading(fn, num_lead)(codes, scales)
+    fn = lambda c, s: dequantize(c, s, self.scheme, self.stored_shape, dtype)  # noqa: E731
+    w = _over_leading(fn, num_lead)(codes, scales)
+    return jnp.moveaxis(w, num_lead, num_lead + self.in_axis) if self.in_axis else w
 
   def num_params(self) -> int:
     """Weights stored here (all layers when stacked)."""
-    num_lead = self.codes.ndim - (len(self.shape) - self.num_in + 1)
+    num_lead = self._num_lead(self.codes.ndim)
     return math.prod(self.codes.shape[:num_lead]) * math.prod(self.shape)
 
   def quantize_from(self, w: jax.Array):
@@ -184,7 +203,9 @@ class QuantizedWeight(nnx.Module):
     if num_lead < 0 or tuple(w.shape[num_lead:]) != self.shape:
       raise ValueError(f"weight of shape {tuple(w.shape)} cannot fill quantized storage of a "
                        f"{self.shape} weight")
-    group_size = math.prod(self.shape[:self.num_in]) // self.scales.shape[num_lead]
+    if self.in_axis:
+      w = jnp.moveaxis(w, num_lead + self.in_axis, num_lead)
+    group_size = self.in_size // self.scales.shape[num_lead]
     fn = lambda x: quantize(x, self.scheme, group_size, self.num_in)  # noqa: E731
     codes, scales = _over_leading(fn, num_lead)(w)
     self.codes.set_value(codes)

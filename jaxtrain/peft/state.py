@@ -24,7 +24,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 # here; its attributes are looked up at call time, after both modules have loaded.
 from jaxtrain.models import decoder as decoder_lib
 from jaxtrain.parallel.mesh import LOGICAL_RULES, MESH_AXES
-from jaxtrain.peft.lora import Adapter, LoRA
+from jaxtrain.peft.lora import Adapter, ExpertLoRA, LoRA
 from jaxtrain.peft.quantize import QuantizedWeight
 
 
@@ -105,7 +105,7 @@ def merged_params(model):
   plain = _abstract(plain_config(cfg))
   nodes = {_key(path): node for path, node in nnx.iter_graph(model)}
   deltas = {_key(path[:-1]) + (node.weight_name,): node.delta_weight()
-            for path, node in nnx.iter_graph(model) if isinstance(node, LoRA)}
+            for path, node in nnx.iter_graph(model) if isinstance(node, (LoRA, ExpertLoRA))}
   param_dtype = jnp.dtype(cfg.runtime.param_dtype)
   for path, var in list(nnx.iter_graph(plain)):
     if not isinstance(var, nnx.Param):
@@ -166,7 +166,7 @@ def check_mesh(cfg, mesh: Mesh):
   for path, node in nnx.iter_graph(model):
     if not isinstance(node, QuantizedWeight):
       continue
-    in_size = math.prod(node.shape[:node.num_in])
+    in_size = node.in_size
     split = _axis_size(mesh, node.storage_names[0])
     nodes.append((in_size, split))
     groups = in_size // cfg.peft.quant_group_size
