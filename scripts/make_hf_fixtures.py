@@ -1,9 +1,11 @@
 """Regenerates tests/fixtures/hf_*: tiny random transformers models and the logits they compute.
 
-Llama, Qwen2, Qwen3, Mistral and Gemma 3 (text-only and multimodal).
+Llama, Qwen2, Qwen3, Mistral, Gemma 3 (text-only and multimodal), and the Mixtures of Experts
+Mixtral and Qwen3-MoE.
 
-The cases live in hf_fixture_tools.py (what they share) and hf_family_fixtures.py (the
-non-Llama families); this file holds the Llama cases, the export checks and the command line.
+The cases live in hf_fixture_tools.py (what they share), hf_family_fixtures.py and
+hf_moe_fixtures.py (the non-Llama families); this file holds the Llama cases, the export checks
+and the command line.
 The tests (tests/test_hf_interop.py, tests/test_hf_families.py) need neither torch nor
 transformers: these fixtures carry what transformers computed. To regenerate them, in a virtual environment of its own (the
 project's own .venv needs no torch):

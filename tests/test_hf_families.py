@@ -1,4 +1,5 @@
-"""Hugging Face interop of the model families beyond Llama: Qwen3, Qwen2, Mistral, Gemma 3.
+"""Hugging Face interop of the model families beyond Llama: Qwen3, Qwen2, Mistral, Gemma 3, and
+the Mixtures of Experts Mixtral and Qwen3-MoE (one tensor per expert and projection).
 
 No torch here: tests/fixtures/hf_{qwen3,qwen2,mistral,gemma3}_* hold tiny models saved by
 transformers 5 with the float32 logits it computed, and in fixture_info.json's "reload" how
@@ -29,7 +30,8 @@ from tests.helpers import mesh_of, safetensors_tensors
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 CASES = ("hf_qwen3_tied", "hf_qwen3_untied", "hf_qwen2_untied", "hf_qwen2_tied",
          "hf_mistral_window", "hf_mistral_tied", "hf_gemma3_text", "hf_gemma3_text_legacy",
-         "hf_gemma3_multimodal")
+         "hf_gemma3_multimodal", "hf_mixtral", "hf_qwen3_moe_dense_first",
+         "hf_qwen3_moe_every_other")
 GEMMA3_TEXT = os.path.join(FIXTURES, "hf_gemma3_text")
 MULTIMODAL = os.path.join(FIXTURES, "hf_gemma3_multimodal")
 LOGIT_TOL = 1e-4
@@ -106,7 +108,7 @@ def test_import_matches_transformers_logits(imported, name):
   text = hf_json.get("text_config", hf_json)
   assert (m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.num_layers) == (
       text["hidden_size"], text["num_attention_heads"], text["num_key_value_heads"],
-      text.get("head_dim", text["hidden_size"] // text["num_attention_heads"]),
+      text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
       text["num_hidden_layers"])
   # The window, layer types and RoPE as transformers resolved them on reloading the directory.
   reload = _info(path)["reload"]
@@ -179,11 +181,17 @@ def test_export_writes_the_family_config_and_tensors_and_reimports(tmp_path, imp
   text = source.get("text_config", source)
   if "rope_parameters" in text:  # saved by transformers 5: the fields it writes, no others
     want = set(text) - NOT_EXPORTED | {"architectures", "dtype", "head_dim"}
+    if family.hf_experts:  # the expert count under both spellings (transformers 4 and 5)
+      want |= {family.hf_experts.num_experts_key, "num_local_experts"}
     assert set(written) == want, (set(written) ^ want)
     for key in ("sliding_window", "layer_types", "use_sliding_window", "query_pre_attn_scalar",
                 "rope_parameters", "hidden_act", "hidden_activation", "head_dim",
-                "attn_logit_softcapping", "final_logit_softcapping", "attention_bias"):
-      if key in text:
+                "attn_logit_softcapping", "final_logit_softcapping", "attention_bias",
+                "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                "mlp_only_layers", "decoder_sparse_step", "router_aux_loss_coef"):
+      if key == "head_dim" and text.get(key, 0) is None:  # null: hidden_size / heads
+        assert written[key] == text["hidden_size"] // text["num_attention_heads"]
+      elif key in text:
         assert written[key] == text[key], key
   # Bitwise the source's decoder tensors, under the *ForCausalLM names.
   _assert_exported_bitwise(path, tmp_path)
@@ -391,10 +399,23 @@ SUPPORTED_TYPES = "llama, qwen3, qwen2, mistral, gemma3_text, gemma3, mixtral, q
     ("hf_gemma3_multimodal", {"text_config": {"model_type": "gemma2"}},
      "config.json text_config.model_type='gemma2': unsupported; a gemma3 checkpoint's text "
      "model is 'gemma3_text'"),
+    ("hf_mixtral", {"scoring_func": "sigmoid"},
+     "config.json scoring_func='sigmoid': unsupported routing; jaxtrain's mixtral router is a "
+     "softmax over the experts then the top k (scoring_func='softmax')"),
+    ("hf_qwen3_moe_dense_first", {"shared_expert_intermediate_size": 64},
+     "config.json shared_expert_intermediate_size=64: unsupported routing; jaxtrain's "
+     "qwen3_moe router is a softmax over the experts then the top k "
+     "(shared_expert_intermediate_size=0)"),
+    ("hf_mixtral", {"router_jitter_noise": 0.1},
+     "config.json router_jitter_noise=0.1: unsupported routing; jaxtrain's mixtral router is a "
+     "softmax over the experts then the top k (router_jitter_noise=0.0)"),
+    ("hf_qwen3_moe_every_other", {"num_experts_per_tok": 9},
+     "config.json num_experts_per_tok=9: must be between 1 and the 8 experts"),
 ], ids=["attn_softcapping", "final_softcapping", "final_softcapping_qwen3", "rope_yarn",
         "rope_dynamic_per_type", "sliding_rope_linear", "model_type", "bidirectional",
         "gemma_activation", "qwen_activation", "qwen3_attention_bias", "partial_rotary",
-        "layer_type", "quantized", "multimodal_text_type"])
+        "layer_type", "quantized", "multimodal_text_type", "moe_sigmoid_scores",
+        "moe_shared_experts", "moe_jitter", "moe_top_k"])
 def test_unsupported_fields_are_refused_in_one_line(tmp_path, capsys, source, change, message):
   hf_json = dict(hf_config.read_hf_config(_path(source)), **change)
   with pytest.raises(HFFormatError) as raised:

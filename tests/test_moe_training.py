@@ -14,10 +14,11 @@ import pytest
 from jaxtrain.config import load_config_file
 from jaxtrain.dryrun import measure, targets
 from jaxtrain.grouped_matmul import resolve_impl
+from jaxtrain.interop import hf
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import create_model
-from tests.helpers import (REPO, assert_curves_close, cli_curves, mesh_of, metrics_records,
-                          train_curves)
+from tests.helpers import (REPO, absl_cli_module, assert_curves_close, cli_curves, mesh_of,
+                          metrics_records, run_cli, run_entry, train_curves)
 
 MOE_TINY = os.path.join(REPO, "configs", "moe_tiny.py")
 # moe_tiny's model on shorter, fewer rows: the same experts, routing and losses, faster steps.
@@ -107,3 +108,53 @@ def test_decode_with_cache_equals_the_forward_pass_with_a_dense_first_layer():
                                              cache)
     got.append(np.asarray(logits))
   np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=2e-5, rtol=1e-5)
+
+
+# The tiny fine-tuning configs' model as moe_tiny's Mixture of Experts.
+MOE_FLAGS = ("--config.model.family=mixtral", "--config.moe.num_experts=4",
+             "--config.moe.experts_per_token=2", "--config.moe.expert_mlp_dim=192")
+
+
+def _run(config, workdir, *overrides):
+  proc = run_cli(f"--config=configs/{config}", f"--workdir={workdir}", *MOE_FLAGS, *overrides)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  records = metrics_records(workdir)
+  return (proc.stdout, [r for r in records if "loss" in r],
+          [r for r in records if "eval_loss" in r])
+
+
+@pytest.mark.slow
+def test_lora_on_experts_qlora_and_dpo_fine_tune_an_moe_model(tmp_path):
+  """An SFT'd MoE base; LoRA on attention and on every expert's projections, and QLoRA over its
+  NF4-quantized experts, improve its held-out loss; the QLoRA run's export (adapters merged,
+  experts dequantized) computes what generation's merged model does; DPO trains the MoE
+  policy with its router losses."""
+  base = tmp_path / "sft"
+  _, train, evals = _run("sft_tiny.py", base, "--config.train.steps=20",
+                         "--config.train.eval_every=20", "--config.checkpoint.every_steps=20")
+  assert train[-1]["loss"] < train[0]["loss"] - 0.8 and "moe_aux_loss" in train[-1]
+  for config in ("sft_lora_tiny.py", "qlora_tiny.py"):
+    out, _, lora_evals = _run(config, tmp_path / config[:-3], "--config.train.steps=12",
+                              "--config.train.eval_every=12",
+                              "--config.checkpoint.every_steps=12",
+                              "--config.lora.targets=q,v,gate,up,down",
+                              f"--config.checkpoint.init_from={base}")
+    assert "4 experts" in out and "adapter params" in out
+    assert lora_evals[-1]["eval_loss"] < evals[-1]["eval_loss"] - 0.02, (config, lora_evals)
+  assert "stored nf4" in out
+
+  with absl_cli_module("jaxtrain.generate_cli") as generate_cli:
+    merged, _ = generate_cli.load(str(tmp_path / "qlora_tiny"))
+  proc = run_entry(hf.main, "export", f"--checkpoint={tmp_path / 'qlora_tiny'}",
+                   f"--out={tmp_path / 'hf'}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  exported, exported_config = hf.load_model(str(tmp_path / "hf"))
+  assert exported_config.model.family == "mixtral" and exported_config.moe.num_experts == 4
+  tokens = np.arange(24, dtype=np.int32).reshape(2, 12) + 97
+  np.testing.assert_allclose(np.asarray(exported(tokens)), np.asarray(merged(tokens)),
+                             atol=1e-5, rtol=1e-5)
+
+  _, dpo, _ = _run("dpo_tiny.py", tmp_path / "dpo", "--config.train.steps=12",
+                   "--config.train.log_every=4", "--config.train.eval_every=12")
+  assert dpo[-1]["loss"] < dpo[0]["loss"] and "reward_accuracy" in dpo[-1]
+  assert 0.9 < dpo[-1]["moe_aux_loss"] < 2.0

@@ -458,8 +458,13 @@ def _moe_overrides(hf: dict, family: Family, defaults: dict, num_layers: int) ->
   first = moe.index(True)
   # Scanned layers stack one structure per stack: a dense prefix and the MoE rest at most.
   scannable = {} if all(moe[first:]) else {"model.scan_layers": False}
+  out = {**scannable}
+  if hf.get("router_aux_loss_coef") is not None:
+    # transformers' load-balancing loss is k times ours (models/moe.py): the same weight in
+    # the objective is k times its coefficient.
+    out["moe.aux_loss_coef"] = float(hf["router_aux_loss_coef"]) * top_k
   return {
-      **scannable,
+      **out,
       "moe.num_experts": experts,
       "moe.experts_per_token": top_k,
       "moe.expert_mlp_dim": int(get(names.expert_mlp_key)),

@@ -84,9 +84,13 @@ def _export_moe(config, family: Family) -> dict[str, Any]:
                           f"no Mixture-of-Experts layout to export to; use mixtral or qwen3_moe")
     return {}
   moe_layers = architecture_of(config).moe_layers()
-  out = {names.num_experts_key: int(moe.num_experts),
-         "num_experts_per_tok": int(moe.experts_per_token),
-         names.expert_mlp_key: int(moe.expert_mlp_dim or config.model.mlp_dim)}
+  k = int(moe.experts_per_token)
+  # transformers 5 saves the expert count as num_local_experts for every family, 4 reads the
+  # family's own key: both. Its load-balancing loss is k times ours (hf_config.py).
+  out = {names.num_experts_key: int(moe.num_experts), "num_local_experts": int(moe.num_experts),
+         "num_experts_per_tok": k,
+         names.expert_mlp_key: int(moe.expert_mlp_dim or config.model.mlp_dim),
+         "router_aux_loss_coef": float(moe.aux_loss_coef) / k}
   if "norm_topk_prob" in defaults_of(family):
     out["norm_topk_prob"] = bool(moe.norm_topk_prob)
   elif not moe.norm_topk_prob:
