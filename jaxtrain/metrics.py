@@ -324,6 +324,12 @@ class MetricsWriter:
       parts.append(f"reward acc {_fmt(m['reward_accuracy'], '.2f')}")
     if "reward_mean" in m:  # GRPO
       parts.append(f"reward {_fmt(m['reward_mean'], '.3f')}")
+    if "moe_aux_loss" in m:  # MoE: the router's balance (1 = even) and its busiest expert
+      parts.append(f"aux {_fmt(m['moe_aux_loss'], '.3f')} max load "
+                   f"{_fmt(m['moe_max_load'], '.2f')}")
+    if "moe_dropped_fraction" in m:
+      dropped = _float_or_none(m["moe_dropped_fraction"])
+      parts.append("dropped n/a" if dropped is None else f"dropped {100 * dropped:.1f}%")
     if "tokens_per_sec" in m:
       tps = _float_or_none(m["tokens_per_sec"])
       parts.append(f"{format_count(tps) if tps is not None else 'n/a'} tok/s")
