@@ -4,8 +4,8 @@ Target: one 8-GPU H100 host (h100x8), with expert parallelism: each GPU holds 16
 layer's 128 experts (mesh.expert=8), and the rest of the weights are sharded 8 ways as by FSDP.
 Float32 weights and gradients with bfloat16 Adam moments: 12 bytes per parameter, 14.2 GiB per
 GPU each for the weights and the moments. Global batch 64 x 4096 tokens as 8 microbatches of 1
-sequence per GPU, `full` remat: `--dry_run` (XLA's GPU compiler) needs 63.8 GiB of the H100's
-79.1 GiB (8192-token sequences: 70.4 GiB, at the edge of the 10% left to the runtime; the
+sequence per GPU, `full` remat: `--dry_run` (XLA's GPU compiler) needs 64.7 GiB of the H100's
+79.1 GiB (8192-token sequences need about 70 GiB, at the edge of the 10% left to the runtime; the
 dropless dispatch's buffers grow with the tokens per GPU).
 Sizes from the published config.json (Qwen/Qwen3-30B-A3B):
 48 layers, hidden 2048, 32 query / 4 kv heads of 128, experts of 768, vocab 151936, RoPE base

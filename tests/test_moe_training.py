@@ -6,7 +6,6 @@ forward pass."""
 import os
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -14,7 +14,7 @@ from jaxtrain.config import ConfigError
 from jaxtrain.data import prepare as prep
 from jaxtrain.data.sources import DataError, PreparedCorpus, write_token_shard
 from jaxtrain.data.tokenizer import load_tokenizer
-from tests.data_helpers import PROSE_WORDS as WORDS, make_docs, train_bpe, write_jsonl
+from tests.data_helpers import make_docs, train_bpe, write_jsonl
 from tests.helpers import run_entry
 
 NUM_DOCS = 300

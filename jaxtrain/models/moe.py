@@ -32,7 +32,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxtrain.grouped_matmul import grouped_matmul
 from jaxtrain.parallel import expert_parallel
