@@ -27,7 +27,7 @@ from jaxtrain.models.decoder import check_layer_kinds
 def resolve_mesh_shape(config, num_devices: int) -> MeshShape:
   """The config's mesh sizes with the one -1 axis filled; ConfigError when impossible."""
   try:
-    return resolve_shape({axis: config.mesh[axis] for axis in MESH_AXES}, num_devices)
+    return resolve_shape({axis: config.mesh.get(axis, 1) for axis in MESH_AXES}, num_devices)
   except ValueError as e:
     raise ConfigError(str(e)) from None
 

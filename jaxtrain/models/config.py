@@ -194,10 +194,12 @@ class ModelConfig:
     # Imported here: the config layer imports this module for the family names.
     # pylint: disable=import-outside-toplevel
     import jax
-    from jaxtrain.config import lora_targets, resolve_compute_dtype
+    from jaxtrain.config import default_config, lora_targets, resolve_compute_dtype
     from jaxtrain.parallel.mesh import platform_of_backend
 
-    m, a, p, moe = config.model, config.attention, config.pipeline, config.moe
+    m, a, p = config.model, config.attention, config.pipeline
+    # A config saved before the moe group existed (a run's checkpoint metadata): a dense model.
+    moe = config.moe if "moe" in config else default_config().moe
     platform = platform_of_backend(platform or jax.default_backend())
     peft = Adapters()
     # Rank 0 maps to the default fields, so a plain run config gives the plain ModelConfig.

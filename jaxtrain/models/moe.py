@@ -37,10 +37,6 @@ from jaxtrain.grouped_matmul import grouped_matmul
 from jaxtrain.parallel import expert_parallel
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
-# The per-layer statistics a MoE layer returns (scalars, and the per-expert load [X]).
-STAT_NAMES = ("aux_loss", "z_loss", "max_load", "dropped", "assignments", "expert_load")
-
-
 @dataclasses.dataclass(frozen=True)
 class Routing:
   """What the MoE computation needs besides the weights (hashable: a static module attribute)."""
@@ -55,8 +51,8 @@ class Routing:
 
 
 # The experts' weights travel as a dict: "gate", "up" [X, D, F] and "down" [X, F, D], and for
-# each with LoRA adapters "<name>_a" [X, I, R] and "<name>_b" [X, R, O].
-PROJECTIONS = ("gate", "up", "down")
+# each with LoRA adapters "<name>_a" [X, I, R] and "<name>_b" [X, R, O] (WEIGHT_NAMES below:
+# their logical axes).
 
 
 def route(logits_NX: jax.Array, top_k: int, norm_topk_prob: bool):
@@ -166,7 +162,7 @@ def router_stats(logits_NX, probs_NX, experts_NK, mask_N, dropped_A, psum):
 
 
 def local_experts(experts: dict, routing: Routing, tokens: int):
-  """The dispatch when this device holds every expert: `experts(x_AD, expert_A, group_sizes_X)
+  """The dispatch when this device holds every expert: `run(x_AD, expert_A, group_sizes_X)
   -> (y_AD, dropped_A)` on the assignments in expert order."""
   def run(x_AD, expert_A, group_sizes_X):
     if routing.capacity_factor <= 0:
@@ -181,31 +177,31 @@ def local_experts(experts: dict, routing: Routing, tokens: int):
   return run
 
 
-def moe_ffn(x_ND, mask_N, router_DX, experts, routing: Routing, *, psum=lambda t: t):
+def moe_ffn(x_ND, mask_N, router_DX, run, routing: Routing, *, psum=lambda t: t):
   """One device's N tokens through the MoE block: (out_ND in float32, statistics).
 
-  `experts(x_AD, expert_A, group_sizes_X) -> (y_AD, dropped_A)` runs the assignments, sorted by
-  expert, through their experts (`local_experts`, or the expert-parallel dispatch); `psum` sums
-  the statistics over the devices holding other tokens."""
+  `run(x_AD, expert_A, group_sizes_X) -> (y_AD, dropped_A)` takes the assignments, sorted by
+  expert, through their experts (`local_experts`, or `exchanging_experts`); `psum` sums the
+  statistics over the devices holding other tokens."""
   logits_NX = jnp.dot(x_ND.astype(jnp.float32), router_DX.astype(jnp.float32))
   probs_NX, weights_NK, experts_NK = route(logits_NX, routing.top_k, routing.norm_topk_prob)
   order_A, token_A, expert_A, group_sizes_X = sort_by_expert(experts_NK, routing.num_experts)
-  y_AD, dropped_sorted_A = experts(x_ND[token_A], expert_A, group_sizes_X)
+  y_AD, dropped_sorted_A = run(x_ND[token_A], expert_A, group_sizes_X)
   out_ND = unsort_and_combine(y_AD, order_A, weights_NK)
   dropped_A = dropped_sorted_A[inverse_permutation(order_A)]
   return out_ND, router_stats(logits_NX, probs_NX, experts_NK, mask_N, dropped_A, psum)
 
 
-def exchanging_experts(experts: dict, routing: Routing, tokens: int, shards: int,
-                       all_to_all=expert_parallel.all_to_all):
+def exchanging_experts(experts: dict, routing: Routing, tokens: int, shards: int):
   """The dispatch when this device holds G = X/E of the experts (mesh.expert = E): the
-  assignments travel to their experts' shards and back by all-to-all; `experts(x_AD,
-  expert_A, group_sizes_X) -> (y_AD, dropped_A)` as for `local_experts`.
+  assignments travel to their experts' shards and back by all-to-all; `run(x_AD, expert_A,
+  group_sizes_X) -> (y_AD, dropped_A)` as for `local_experts`.
 
   Dropless, a device may send all of its A = N*k assignments to one peer, so each per-peer
   buffer holds A rows (exact; the receiver computes only the rows present). In capacity mode
   each device sends each expert at most C rows: [X, C, D] buffers."""
   local = routing.num_experts // shards
+  all_to_all = expert_parallel.all_to_all
 
   def dropless(x_AD, expert_A, group_sizes_X):
     a, d = x_AD.shape
@@ -244,13 +240,12 @@ def exchanging_experts(experts: dict, routing: Routing, tokens: int, shards: int
   return capacity_bounded if routing.capacity_factor > 0 else dropless
 
 
-def moe_layer(x_BTD, mask_BT, router_DX, experts: dict, routing: Routing,
-              expert_names: dict | None = None):
+def moe_layer(x_BTD, mask_BT, router_DX, experts: dict, routing: Routing):
   """The MoE block on [B, T, D] tokens, under the current mesh (or none): (out_BTD in x's dtype,
-  the layer's router statistics). `experts`: the weights (PROJECTIONS, and adapters) in the
-  compute dtype; `expert_names` their logical axes (default: the weights'). Under a mesh each
-  device routes its own tokens (parallel/expert_parallel.over_token_shards), exchanging them
-  with the devices that hold their experts when mesh.expert > 1."""
+  the layer's router statistics). `experts`: the weights (gate, up, down, and adapters: keys of
+  WEIGHT_NAMES) in the compute dtype. Under a mesh each device routes its own tokens
+  (parallel/expert_parallel.over_token_shards), exchanging them with the devices that hold
+  their experts when mesh.expert > 1."""
   def body(x_ND, mask_N, router_DX, experts, psum, shards):
     n = x_ND.shape[0]
     if shards == 1:
@@ -264,8 +259,8 @@ def moe_layer(x_BTD, mask_BT, router_DX, experts: dict, routing: Routing,
     out_ND, stats = body(x_BTD.reshape(b * t, d), mask_BT.reshape(b * t), router_DX, experts,
                          lambda tree: tree, 1)
     return out_ND.reshape(b, t, d).astype(x_BTD.dtype), stats
-  names = expert_names or {k: WEIGHT_NAMES[k] for k in experts}
-  return expert_parallel.over_token_shards(body, x_BTD, mask_BT, router_DX, experts, names)
+  return expert_parallel.over_token_shards(body, x_BTD, mask_BT, router_DX, experts,
+                                           {k: WEIGHT_NAMES[k] for k in experts})
 
 
 # Logical axes of the expert weights (mesh.LOGICAL_RULES), and of their adapters' factors.
