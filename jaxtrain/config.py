@@ -20,7 +20,7 @@ from jaxtrain.models.features import ALL_PROJECTIONS
 REMAT_POLICIES = ("none", "full", "minimal", "save_dots", "save_qkv_proj", "minimal_offload",
                   "save_dots_offload", "save_qkv_proj_offload")
 ATTENTION_IMPLS = ("xla", "pallas", "cudnn", "auto")
-ROPE_SCALING_TYPES = ("none", "llama3", "linear")
+ROPE_SCALING_TYPES = ("none", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 # Adam moments: float16 is refused, its range underflows the second moment of small grads.
 STATE_DTYPES = ("float32", "bfloat16")
@@ -61,12 +61,18 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.norm_eps = 1e-5
   c.model.rope_theta = 10000.0
   c.model.rope_scaling = ml_collections.ConfigDict()
-  # "none" | "llama3" (factor and the three fields below) | "linear" (positions / factor)
+  # "none" | "llama3" (factor, low/high_freq_factor, original_max_position_embeddings) |
+  # "linear" (positions / factor) | "yarn" (factor, original_max_position_embeddings, beta_fast,
+  # beta_slow, mscale, mscale_all_dim: models/rope.py)
   c.model.rope_scaling.type = "none"
   c.model.rope_scaling.factor = 8.0
   c.model.rope_scaling.low_freq_factor = 1.0
   c.model.rope_scaling.high_freq_factor = 4.0
   c.model.rope_scaling.original_max_position_embeddings = 8192
+  c.model.rope_scaling.beta_fast = 32.0
+  c.model.rope_scaling.beta_slow = 1.0
+  c.model.rope_scaling.mscale = 1.0
+  c.model.rope_scaling.mscale_all_dim = 0.0
   c.model.max_position_embeddings = 8192
   # Sliding-window attention: on "sliding" layers a token sees the sliding_window tokens ending at
   # itself (0: no window). layer_types: comma-separated "full"/"sliding", one per layer; empty:

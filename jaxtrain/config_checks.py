@@ -332,6 +332,8 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
     if rs.high_freq_factor <= rs.low_freq_factor:
       raise ConfigError(f"model.rope_scaling.high_freq_factor={rs.high_freq_factor}: must exceed "
                         f"low_freq_factor={rs.low_freq_factor}")
+  if m.rope_scaling.type == "yarn":
+    _check_yarn(m.rope_scaling)
   for key in ("every_steps", "max_to_keep", "keep_every"):
     if config.checkpoint[key] < 0:
       raise ConfigError(f"checkpoint.{key}={config.checkpoint[key]}: must be >= 0")
@@ -474,3 +476,18 @@ def _check_host_memory(config, platform: str):
 
 def _largest_divisor(value: int, limit: int) -> int:
   return max(d for d in range(1, limit + 1) if value % d == 0)
+
+
+def _check_yarn(rs) -> None:
+  """YaRN's fields (models/rope.py): a positive factor and original length, beta_fast above
+  beta_slow above 0, mscales >= 0."""
+  if rs.factor <= 0 or rs.original_max_position_embeddings <= 0:
+    raise ConfigError(f"model.rope_scaling.factor={rs.factor}, original_max_position_embeddings="
+                      f"{rs.original_max_position_embeddings}: yarn needs both positive")
+  if not 0 < rs.beta_slow < rs.beta_fast:
+    raise ConfigError(f"model.rope_scaling.beta_fast={rs.beta_fast}, beta_slow={rs.beta_slow}: "
+                      f"yarn needs beta_fast > beta_slow > 0 (rotations over the original "
+                      f"context; DeepSeek-V3: 32 and 1)")
+  for key in ("mscale", "mscale_all_dim"):
+    if rs[key] < 0:
+      raise ConfigError(f"model.rope_scaling.{key}={rs[key]}: must be >= 0 (0: unset)")

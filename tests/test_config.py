@@ -43,7 +43,8 @@ BAD = [
     ({"attention.impl": "flash"}, 1, ["attention.impl='flash'", "unknown attention", "xla"]),
     ({"attention.impl": "cudnn"}, 1, ["attention.impl='cudnn'", "GPU"]),
     ({"model.dtype": "fp8"}, 1, ["model.dtype='fp8'", "bfloat16"]),
-    ({"model.rope_scaling.type": "yarn"}, 1, ["model.rope_scaling.type='yarn'", "llama3"]),
+    ({"model.rope_scaling.type": "longrope"}, 1, ["model.rope_scaling.type='longrope'",
+                                                  "llama3", "yarn"]),
     ({"optim.weight_decay": -0.1}, 1, ["optim.weight_decay=-0.1", ">= 0"]),
 ]
 

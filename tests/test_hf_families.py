@@ -359,15 +359,15 @@ SUPPORTED_TYPES = "llama, qwen3, qwen2, mistral, gemma3_text, gemma3, mixtral, q
     ("hf_qwen3_tied", {"final_logit_softcapping": 30.0},
      "config.json final_logit_softcapping=30.0: unsupported; jaxtrain implements no logit "
      "softcapping (null)"),
-    ("hf_qwen2_tied", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+    ("hf_qwen2_tied", {"rope_parameters": {"rope_type": "longrope", "factor": 4.0,
                                            "rope_theta": 1e6}},
-     "config.json rope_parameters.rope_type='yarn': unsupported; jaxtrain implements "
-     "'default', 'llama3', 'linear' RoPE"),
+     "config.json rope_parameters.rope_type='longrope': unsupported; jaxtrain implements "
+     "'default', 'llama3', 'linear', 'yarn' RoPE"),
     ("hf_gemma3_text", {"rope_parameters": {
         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
      "config.json rope_parameters.full_attention.rope_type='dynamic': unsupported; jaxtrain "
-     "implements 'default', 'llama3', 'linear' RoPE"),
+     "implements 'default', 'llama3', 'linear', 'yarn' RoPE"),
     ("hf_gemma3_text", {"rope_parameters": {
         "full_attention": {"rope_type": "default", "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
@@ -411,7 +411,7 @@ SUPPORTED_TYPES = "llama, qwen3, qwen2, mistral, gemma3_text, gemma3, mixtral, q
      "softmax over the experts then the top k (router_jitter_noise=0.0)"),
     ("hf_qwen3_moe_every_other", {"num_experts_per_tok": 9},
      "config.json num_experts_per_tok=9: must be between 1 and the 8 experts"),
-], ids=["attn_softcapping", "final_softcapping", "final_softcapping_qwen3", "rope_yarn",
+], ids=["attn_softcapping", "final_softcapping", "final_softcapping_qwen3", "rope_longrope",
         "rope_dynamic_per_type", "sliding_rope_linear", "model_type", "bidirectional",
         "gemma_activation", "qwen_activation", "qwen3_attention_bias", "partial_rotary",
         "layer_type", "quantized", "multimodal_text_type", "moe_sigmoid_scores",

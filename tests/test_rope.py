@@ -1,5 +1,5 @@
-"""Rotary position embeddings (jaxtrain/models/rope.py): Llama 3's and linear frequency scaling
-against their references, the run config's scaling group, and the rotation's properties."""
+"""Rotary position embeddings (jaxtrain/models/rope.py): Llama 3's, linear and YaRN frequency
+scaling against their references, the run config's scaling group, and the rotation's properties."""
 
 import math
 
@@ -10,7 +10,8 @@ import pytest
 
 from jaxtrain import config as config_lib
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.models.rope import apply_rope, rope_inv_freq
+from jaxtrain.models.rope import apply_rope, rope_attention_factor, rope_inv_freq
+from tests.helpers import assert_one_line_config_error
 
 LLAMA3_SCALING = dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=8192)
@@ -125,3 +126,70 @@ def test_apply_rope_is_relative(scaling):
       assert score(m, n) == pytest.approx(base, rel=1e-5, abs=1e-5), (diff, offset)
   # Not trivially constant: a different difference gives a different score.
   assert abs(score(3, 0) - score(4, 0)) > 1e-2
+
+
+# DeepSeek-V3's published YaRN: 4096 -> 163840 positions, its qk_rope_head_dim of 64.
+YARN_SCALING = dict(type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                    beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+
+
+def _yarn_reference(head_dim, theta, factor, original_max_position_embeddings, beta_fast,
+                    beta_slow):
+  """YaRN's "NTK-by-parts" frequencies from the paper's definitions, one dim at a time: dim i
+  turns r_i = L / wavelength_i times over the original length L; dims with r above beta_fast
+  keep their frequency, below beta_slow are divided by the factor, between them the two are
+  blended linearly in the dim index, between the dims where r crosses the betas (rounded
+  outward)."""
+  freqs = [theta ** (-i / head_dim) for i in range(0, head_dim, 2)]
+  length = original_max_position_embeddings
+
+  def crossing(turns):  # the fractional index d/2 whose rotation count over L is `turns`
+    return head_dim * math.log(length / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+  low, high = max(math.floor(crossing(beta_fast)), 0), min(math.ceil(crossing(beta_slow)),
+                                                            head_dim - 1)
+  out, kinds = [], []
+  for i, f in enumerate(freqs):
+    blend = min(max((i - low) / (high - low), 0.0), 1.0)  # 0: keep, 1: interpolate
+    out.append(f * (1 - blend) + f / factor * blend)
+    kinds.append("keep" if blend == 0 else "interpolate" if blend == 1 else "ramp")
+  return np.array(out), kinds
+
+
+def test_rope_inv_freq_yarn_against_its_definition():
+  got = rope_inv_freq(64, 10000.0, YARN_SCALING)
+  want, kinds = _yarn_reference(64, 10000.0, 40.0, 4096, 32.0, 1.0)
+  assert set(kinds) == {"keep", "ramp", "interpolate"}
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  plain = rope_inv_freq(64, 10000.0, None)
+  assert got[0] == plain[0] and got[-1] == pytest.approx(plain[-1] / 40.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("mscale,mscale_all_dim,want", [
+    (1.0, 1.0, 1.0),  # DeepSeek-V3: cancel here, the softmax scale carries mscale_all_dim
+    (0.0, 0.0, 0.1 * math.log(40.0) + 1.0),  # plain YaRN: sqrt(1/t) = 0.1 ln(s) + 1
+    (1.0, 0.707, (0.1 * math.log(40.0) + 1.0) / (0.0707 * math.log(40.0) + 1.0)),
+])
+def test_yarn_attention_factor(mscale, mscale_all_dim, want):
+  scaling = dict(YARN_SCALING, mscale=mscale, mscale_all_dim=mscale_all_dim)
+  assert rope_attention_factor(scaling) == pytest.approx(want, rel=1e-12)
+  assert rope_attention_factor(LLAMA3_SCALING) == rope_attention_factor(None) == 1.0
+  # Applied to the rotated vectors: their norms grow by the factor.
+  x = jax.random.normal(jax.random.key(2), (1, 4, 2, 64), jnp.float32)
+  out = apply_rope(x, jnp.arange(4)[None], rope_inv_freq(64, 1e4, scaling), want)
+  np.testing.assert_allclose(np.linalg.norm(out, axis=-1),
+                             want * np.linalg.norm(np.asarray(x), axis=-1), rtol=1e-5)
+
+
+def test_yarn_from_run_config_and_its_errors():
+  config = config_lib.default_config()
+  config.model.rope_scaling.update(YARN_SCALING)
+  scaling = ModelConfig.from_config(config).arch.rope_scaling
+  assert dict(scaling) == YARN_SCALING
+  for key, value, words in (("beta_slow", 40.0, ["beta_slow=40.0", "beta_fast > beta_slow > 0"]),
+                            ("factor", 0.0, ["factor=0.0", "yarn needs both positive"]),
+                            ("mscale", -1.0, ["mscale=-1.0", "must be >= 0"])):
+    bad = config_lib.default_config()
+    bad.model.rope_scaling.update(YARN_SCALING)
+    bad.model.rope_scaling[key] = value
+    assert_one_line_config_error(bad, 1, ["model.rope_scaling.", *words])

@@ -53,7 +53,12 @@ REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
                    "num_attention_heads")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings")
-ROPE_TYPES = ("default", "llama3", "linear")
+# YaRN's fields as transformers names them; what a file leaves out takes transformers' default
+# (the original length: max_position_embeddings; mscales unset).
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim")
+YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.0, "mscale_all_dim": 0.0}
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 # Hugging Face layer types <-> ours.
 HF_LAYER_TYPES = {"full_attention": FULL, "sliding_attention": SLIDING}
 OUR_LAYER_TYPES = {ours: theirs for theirs, ours in HF_LAYER_TYPES.items()}
@@ -163,12 +168,16 @@ def _rope_entry(params: dict, where: str, theta: float, max_positions: int
   if rope_type not in ROPE_TYPES:
     raise HFFormatError(f"config.json {where}.rope_type={rope_type!r}: unsupported; jaxtrain "
                         f"implements {', '.join(repr(t) for t in ROPE_TYPES)} RoPE")
-  keys = LLAMA3_KEYS if rope_type == "llama3" else ("factor",)
+  keys = {"llama3": LLAMA3_KEYS, "yarn": YARN_KEYS}.get(rope_type, ("factor",))
   scaling = {"type": rope_type}
+  if rope_type == "yarn":
+    _check_yarn_extras(params, where)
   for key in keys:
     value = params.get(key)
     if value is None and key == "original_max_position_embeddings":
-      value = max_positions  # what transformers assumes when a llama3 config leaves it out
+      value = max_positions  # what transformers assumes when a config leaves it out
+    if value is None and rope_type == "yarn":
+      value = YARN_DEFAULTS.get(key)
     if value is None:
       raise HFFormatError(f"config.json {where}.{key}: missing; {rope_type} RoPE needs "
                           f"{', '.join(keys)}")
@@ -176,6 +185,15 @@ def _rope_entry(params: dict, where: str, theta: float, max_positions: int
   if float(scaling["factor"]) <= 0:
     raise HFFormatError(f"config.json {where}.factor={scaling['factor']}: must be positive")
   return float(theta), scaling
+
+
+def _check_yarn_extras(params: dict, where: str) -> None:
+  """YaRN fields jaxtrain does not implement: refused rather than dropped."""
+  for key, unset in (("attention_factor", None), ("truncate", True)):
+    if params.get(key, unset) != unset:
+      raise HFFormatError(f"config.json {where}.{key}={params[key]!r}: unsupported; jaxtrain's "
+                          f"YaRN derives the attention factor from mscale and rounds the ramp's "
+                          f"ends outward (truncate=true)")
 
 
 def _rope(hf: dict, family: Family, defaults: dict, max_positions: int
@@ -417,6 +435,11 @@ def model_overrides(hf: dict) -> dict[str, Any]:
     out["model.rope_scaling.high_freq_factor"] = float(scaling["high_freq_factor"])
     out["model.rope_scaling.original_max_position_embeddings"] = int(
         scaling["original_max_position_embeddings"])
+  if scaling and scaling["type"] == "yarn":
+    out["model.rope_scaling.original_max_position_embeddings"] = int(
+        scaling["original_max_position_embeddings"])
+    for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+      out[f"model.rope_scaling.{key}"] = float(scaling[key])
   return out
 
 

@@ -30,6 +30,11 @@ def _rope_dict(m) -> dict[str, Any]:
             "original_max_position_embeddings": int(rs.original_max_position_embeddings)}
   if rs.type == "linear":
     return {"rope_type": "linear", "factor": float(rs.factor)}
+  if rs.type == "yarn":
+    return {"rope_type": "yarn", "factor": float(rs.factor),
+            "original_max_position_embeddings": int(rs.original_max_position_embeddings),
+            **{key: float(rs[key]) for key in ("beta_fast", "beta_slow", "mscale",
+                                               "mscale_all_dim")}}
   return {"rope_type": "default"}
 
 

@@ -231,6 +231,9 @@ def rope_scaling_of(model_group) -> tuple[tuple[str, Any], ...] | None:
     keys = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
   elif rs.type == "linear":
     keys = ("factor",)
+  elif rs.type == "yarn":
+    keys = ("beta_fast", "beta_slow", "factor", "mscale", "mscale_all_dim",
+            "original_max_position_embeddings")
   else:
     return None
   return (("type", rs.type),) + tuple((k, rs[k]) for k in keys)

@@ -26,7 +26,7 @@ from jaxtrain import attention as attention_lib
 from jaxtrain.grouped_matmul import resolve_impl
 from jaxtrain.models import moe as moe_lib
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.models.rope import apply_rope, rope_inv_freq
+from jaxtrain.models.rope import apply_rope, rope_attention_factor, rope_inv_freq
 from jaxtrain.parallel.mesh import shard
 from jaxtrain.peft import lora as lora_lib
 from jaxtrain.peft.projection import project, weight_value
@@ -132,13 +132,17 @@ class Attention(nnx.Module):
     return self.sliding if self.sliding is not None else sliding
 
   def _inv_freq(self, sliding):
-    inv_global = rope_inv_freq(self.rope[0], self.rope[1], _scaling_dict(self.rope[2]))
+    """(inverse frequencies, YaRN's attention factor) of this call's layer type."""
+    scaling = _scaling_dict(self.rope[2])
+    inv_global = rope_inv_freq(self.rope[0], self.rope[1], scaling)
+    factor_global = rope_attention_factor(scaling)
     if self.local_rope == self.rope or sliding is False:
-      return inv_global
+      return inv_global, factor_global
     inv_local = rope_inv_freq(self.local_rope[0], self.local_rope[1], None)
     if sliding is True:
-      return inv_local
-    return jnp.where(sliding, inv_local, inv_global)
+      return inv_local, 1.0
+    return (jnp.where(sliding, inv_local, inv_global),
+            factor_global if factor_global == 1.0 else jnp.where(sliding, 1.0, factor_global))
 
   def _qkv(self, x_BTD, positions_BT, proj, sliding, *, training: bool):
     """Queries, keys and values [B, T, heads, E], RoPE applied. `training`: with the
@@ -159,9 +163,9 @@ class Attention(nnx.Module):
                                "value_proj")
     if self.q_norm is not None:
       q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
-    inv_freq = self._inv_freq(sliding)
-    return (apply_rope(q_BTHE, positions_BT, inv_freq), apply_rope(k_BTKE, positions_BT, inv_freq),
-            v_BTKE)
+    inv_freq, factor = self._inv_freq(sliding)
+    return (apply_rope(q_BTHE, positions_BT, inv_freq, factor),
+            apply_rope(k_BTKE, positions_BT, inv_freq, factor), v_BTKE)
 
   def _attend(self, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, sliding):
     attend = functools.partial(attention_lib.attention, impl=self.impl, sm_scale=self.sm_scale,
