@@ -22,6 +22,7 @@ import pytest
 from flax import nnx
 
 from jaxtrain import config_checks
+from jaxtrain.config import default_config
 from jaxtrain.interop import hf, hf_config, hf_export_config
 from jaxtrain.interop.hf_config import HFFormatError
 from jaxtrain.models import registry
@@ -222,6 +223,24 @@ def test_unrolled_layers_of_both_types_import(tmp_path):
   assert sorted(exported) == sorted(original)
   for key, x in original.items():
     np.testing.assert_array_equal(exported[key], x, err_msg=key)
+
+
+def test_yarn_rope_reads_and_writes_back():
+  """A YaRN config.json (transformers' field names, defaults for what it leaves out) becomes
+  model.rope_scaling's yarn fields, and export writes the same entry back."""
+  source = hf_config.read_hf_config(_path("hf_qwen3_untied"))
+  source["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                               "original_max_position_embeddings": 16, "beta_fast": 8.0}
+  overrides = hf_config.model_overrides(source)
+  assert {k: v for k, v in overrides.items() if k.startswith("model.rope_scaling")} == {
+      "model.rope_scaling.type": "yarn", "model.rope_scaling.factor": 4.0,
+      "model.rope_scaling.original_max_position_embeddings": 16,
+      "model.rope_scaling.beta_fast": 8.0, "model.rope_scaling.beta_slow": 1.0,
+      "model.rope_scaling.mscale": 0.0, "model.rope_scaling.mscale_all_dim": 0.0}
+  config = default_config()
+  hf_config.apply_overrides(config, overrides)
+  written = hf_export_config.from_jaxtrain_config(config, dtype="float32")
+  assert hf_config.model_overrides(written) == overrides
 
 
 @pytest.mark.parametrize("name", ["hf_gemma3_text", "hf_qwen3_tied"])

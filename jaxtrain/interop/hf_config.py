@@ -41,6 +41,7 @@ from jaxtrain.config import ConfigError, default_config
 from jaxtrain.models import registry
 from jaxtrain.models.config import FULL, SLIDING
 from jaxtrain.models.features import Family
+from jaxtrain.models.rope import YARN_KEYS
 
 # Defaults every family's config class shares (the family's hf_defaults come on top).
 COMMON_DEFAULTS = {
@@ -53,10 +54,8 @@ REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
                    "num_attention_heads")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings")
-# YaRN's fields as transformers names them; what a file leaves out takes transformers' default
-# (the original length: max_position_embeddings; mscales unset).
-YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-             "mscale_all_dim")
+# What a YaRN entry leaves out takes transformers' default (the original length:
+# max_position_embeddings; mscales unset).
 YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.0, "mscale_all_dim": 0.0}
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 # Hugging Face layer types <-> ours.
@@ -428,18 +427,10 @@ def model_overrides(hf: dict) -> dict[str, Any]:
       "model.query_pre_attn_scalar": query_scalar,
   }
   out.update(_moe_overrides(hf, family, defaults, num_layers))
-  if scaling:
-    out["model.rope_scaling.factor"] = float(scaling["factor"])
-  if scaling and scaling["type"] == "llama3":
-    out["model.rope_scaling.low_freq_factor"] = float(scaling["low_freq_factor"])
-    out["model.rope_scaling.high_freq_factor"] = float(scaling["high_freq_factor"])
-    out["model.rope_scaling.original_max_position_embeddings"] = int(
-        scaling["original_max_position_embeddings"])
-  if scaling and scaling["type"] == "yarn":
-    out["model.rope_scaling.original_max_position_embeddings"] = int(
-        scaling["original_max_position_embeddings"])
-    for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-      out[f"model.rope_scaling.{key}"] = float(scaling[key])
+  for key, value in (scaling or {}).items():
+    if key != "type":  # the scaling's own fields, as model.rope_scaling names them too
+      kind = int if key == "original_max_position_embeddings" else float
+      out[f"model.rope_scaling.{key}"] = kind(value)
   return out
 
 

@@ -17,6 +17,7 @@ from jaxtrain.interop.hf_config import (DTYPES, HF_ACTIVATIONS, OUR_LAYER_TYPES,
 from jaxtrain.models import registry
 from jaxtrain.models.config import FULL, SLIDING, architecture_of
 from jaxtrain.models.features import Family
+from jaxtrain.models.rope import YARN_KEYS
 
 
 
@@ -31,10 +32,8 @@ def _rope_dict(m) -> dict[str, Any]:
   if rs.type == "linear":
     return {"rope_type": "linear", "factor": float(rs.factor)}
   if rs.type == "yarn":
-    return {"rope_type": "yarn", "factor": float(rs.factor),
-            "original_max_position_embeddings": int(rs.original_max_position_embeddings),
-            **{key: float(rs[key]) for key in ("beta_fast", "beta_slow", "mscale",
-                                               "mscale_all_dim")}}
+    return {"rope_type": "yarn", **{key: int(rs[key]) if key == "original_max_position_embeddings"
+                                    else float(rs[key]) for key in YARN_KEYS}}
   return {"rope_type": "default"}
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from jaxtrain.models import registry
 from jaxtrain.models.features import Features
+from jaxtrain.models.rope import YARN_KEYS
 
 FULL, SLIDING = "full", "sliding"
 LAYER_TYPES = (FULL, SLIDING)
@@ -232,8 +233,7 @@ def rope_scaling_of(model_group) -> tuple[tuple[str, Any], ...] | None:
   elif rs.type == "linear":
     keys = ("factor",)
   elif rs.type == "yarn":
-    keys = ("beta_fast", "beta_slow", "factor", "mscale", "mscale_all_dim",
-            "original_max_position_embeddings")
+    keys = YARN_KEYS
   else:
     return None
   return (("type", rs.type),) + tuple((k, rs[k]) for k in keys)

@@ -39,6 +39,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarr
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+# YaRN's fields (spelled as transformers spells them; model.rope_scaling holds the same names).
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim")
+
+
 def _yarn_inv_freq(inv_freq: np.ndarray, head_dim: int, theta: float, scaling: dict):
   factor = float(scaling["factor"])
   old_len = float(scaling["original_max_position_embeddings"])
@@ -51,9 +56,9 @@ def _yarn_inv_freq(inv_freq: np.ndarray, head_dim: int, theta: float, scaling: d
   high = min(math.ceil(dim_turning(float(scaling["beta_slow"]))), head_dim - 1)
   if low == high:
     high += 0.001  # a ramp of one dim, not a division by zero
+  # 0: the original frequency (fast dims), 1: interpolated (slow dims).
   ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
-  keep = 1.0 - ramp  # 1: the original frequency (fast dims), 0: interpolated (slow dims)
-  return inv_freq / factor * (1.0 - keep) + inv_freq * keep
+  return inv_freq / factor * ramp + inv_freq * (1.0 - ramp)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
