@@ -6,10 +6,10 @@ weights are sharded over all 64 (fsdp=8 across hosts, times context=8 within). G
 131072 tokens (1M tokens per step): one sequence per host. Attention gathers the whole
 sequence's keys and values per layer (all_gather: under GQA they are 4x smaller than the
 queries; `--config.attention.context_parallel=ring` passes them around the host instead). Remat
-`minimal`. By the exact compile for the target (our Pallas kernels per chunk pair): 53.8 GiB of
+`minimal`. By the exact compile for the target (our Pallas kernels per chunk pair): 50.8 GiB of
 the H100's 79.1 GiB per device (weights and Adam state 1.4 GiB, the rest a 16K-token slice's
-activations); with mesh.context=4 (32K tokens per device) 94.8 GiB, which does not fit; with
-16, 32.6 GiB.
+activations); with mesh.context=4 (32K tokens per device) 92.8 GiB, which does not fit; with
+16, 29.2 GiB.
 
 The memory it needs on its target, by the exact compile: python -m jaxtrain.main
 --config=configs/llama8b_128k.py --dry_run

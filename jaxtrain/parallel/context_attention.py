@@ -202,34 +202,43 @@ def _kernel_ring(q_BLHE, k_BLKE, v_BLKE, seg_BL, table_Cn, shards, kernels):
 
 def _kernel_ring_fwd(q_BLHE, k_BLKE, v_BLKE, seg_BL, table_Cn, shards, kernels):
   me = jax.lax.axis_index(AXIS)
-  acc = ck.empty(q_BLHE, table_Cn.shape[1])
-  k, v, kseg = k_BLKE, v_BLKE, seg_BL
-  for step in range(shards):
-    acc = ck.absorb(kernels, acc, q_BLHE, seg_BL, table_Cn[me], k, v, kseg,
-                    table_Cn[(me - step) % shards])
-    if step < shards - 1:
-      k, v, kseg = _send_on((k, v, kseg), shards)
-  out_BLHE, lses = ck.finish(acc, q_BLHE.dtype)
+  my_chunks = table_Cn[me]
+  absorb = lambda step, acc, k, v, kseg: ck.absorb(
+      kernels, acc, q_BLHE, seg_BL, my_chunks, k, v, kseg, table_Cn[(me - step) % shards])
+
+  # A loop over the ring's steps (each absorbs the keys it holds, then passes them on), the
+  # last one outside it as it passes nothing: two kernel call sites however many shards.
+  def step_and_send(step, carry):
+    acc, k, v, kseg = carry
+    return (absorb(step, acc, k, v, kseg), *_send_on((k, v, kseg), shards))
+
+  acc, k, v, kseg = jax.lax.fori_loop(0, shards - 1, step_and_send,
+                                      (ck.empty(q_BLHE, table_Cn.shape[1]), k_BLKE, v_BLKE,
+                                       seg_BL))
+  out_BLHE, lses = ck.finish(absorb(shards - 1, acc, k, v, kseg), q_BLHE.dtype)
   return out_BLHE, (q_BLHE, k_BLKE, v_BLKE, seg_BL, table_Cn, out_BLHE, lses)
 
 
 def _kernel_ring_bwd(shards, kernels, residuals, dout_BLHE):
   q_BLHE, k_BLKE, v_BLKE, seg_BL, table_Cn, out_BLHE, lses = residuals
   me = jax.lax.axis_index(AXIS)
-  dq = jnp.zeros(q_BLHE.shape, jnp.float32)
-  dk = jnp.zeros(k_BLKE.shape, jnp.float32)
-  dv = jnp.zeros(v_BLKE.shape, jnp.float32)
-  k, v, kseg = k_BLKE, v_BLKE, seg_BL
-  for step in range(shards):
-    dq_part, dk_part, dv_part = ck.gradients(kernels, q_BLHE, seg_BL, table_Cn[me], out_BLHE,
-                                             lses, dout_BLHE, k, v, kseg,
-                                             table_Cn[(me - step) % shards])
-    dq, dk, dv = dq + dq_part, dk + dk_part, dv + dv_part
-    if step < shards - 1:
-      k, v, kseg, dk, dv = _send_on((k, v, kseg, dk, dv), shards)
-  dk, dv = _send_on((dk, dv), shards)  # home, as in _ring_bwd
-  return (dq.astype(q_BLHE.dtype), dk.astype(k_BLKE.dtype), dv.astype(v_BLKE.dtype), None,
-          None)
+  grads = lambda step, k, v, kseg: ck.gradients(kernels, q_BLHE, seg_BL, table_Cn[me], out_BLHE,
+                                                lses, dout_BLHE, k, v, kseg,
+                                                table_Cn[(me - step) % shards])
+
+  def step_and_send(step, carry):  # the keys travel on with the gradients they have collected
+    dq, k, v, kseg, dk, dv = carry
+    dq_part, dk_part, dv_part = grads(step, k, v, kseg)
+    return (dq + dq_part, *_send_on((k, v, kseg, dk + dk_part, dv + dv_part), shards))
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  dq, k, v, kseg, dk, dv = jax.lax.fori_loop(
+      0, shards - 1, step_and_send,
+      (zeros(q_BLHE), k_BLKE, v_BLKE, seg_BL, zeros(k_BLKE), zeros(v_BLKE)))
+  dq_part, dk_part, dv_part = grads(shards - 1, k, v, kseg)
+  dk, dv = _send_on((dk + dk_part, dv + dv_part), shards)  # home, as in _ring_bwd
+  return ((dq + dq_part).astype(q_BLHE.dtype), dk.astype(k_BLKE.dtype), dv.astype(v_BLKE.dtype),
+          None, None)
 
 
 _kernel_ring.defvjp(_kernel_ring_fwd, _kernel_ring_bwd, optimize_remat=True)
