@@ -52,7 +52,10 @@ def dense_moe(x_BTD, router_DX, experts, top_k):
   """Every expert on every token, combined with the top-k routing weights (others 0)."""
   x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
   logits_NX = x_ND @ router_DX
-  _, weights_NK, experts_NK = route(logits_NX, top_k, True)
+  routing = Routing(num_experts=router_DX.shape[1], top_k=top_k, norm_topk_prob=True,
+                    capacity_factor=0.0, activation="silu", matmul_impl="blocked",
+                    dtype="float32")
+  _, weights_NK, experts_NK = route(logits_NX, routing)
   full_NX = jnp.zeros_like(logits_NX).at[jnp.arange(x_ND.shape[0])[:, None], experts_NK].set(
       weights_NK)
   h_XNF = (jax.nn.silu(jnp.einsum("ND,XDF->XNF", x_ND, experts["gate"]))
@@ -70,7 +73,8 @@ def _step(kind: str, top_k: int, num_experts: int):
     routing = Routing(num_experts=num_experts, top_k=top_k, norm_topk_prob=True,
                       capacity_factor=cf, activation="silu", matmul_impl=impl,
                       dtype="float32")
-    out, stats = moe_layer(x, jnp.ones(x.shape[:2], bool), router, experts, routing)
+    out, stats = moe_layer(x, jnp.ones(x.shape[:2], bool), {"weight": router}, experts,
+                             routing)
     return jnp.sum(out ** 2) + stats["aux_loss"]
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 

@@ -96,8 +96,9 @@ def xla_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True, s
   mask_B11TS = attention_mask(segment_ids_BT, t, s, causal, window)[:, :, None]
   logits_BKGTS = jnp.where(mask_B11TS, logits_BKGTS, jnp.finfo(jnp.float32).min)
   probs_BKMS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(v_BSKE.dtype).reshape(b, k, g * t, s)
-  out_BKGTE = jnp.einsum("BKMS,BKSE->BKME", probs_BKMS, v_BKSE).reshape(b, k, g, t, e)
-  return out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
+  ev = v_BSKE.shape[-1]  # the values' head dim may differ from the queries' (MLA)
+  out_BKGTE = jnp.einsum("BKMS,BKSE->BKME", probs_BKMS, v_BKSE).reshape(b, k, g, t, ev)
+  return out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(b, t, h, ev)
 
 
 def _cache_window_mask(behind_BCS, window):
@@ -134,7 +135,8 @@ def cached_attention(q_BCHE, k_BSKE, v_BSKE, positions_BC, dtype, *, window=None
     visible_BCS &= window_BCS
   logits_BKGCS = jnp.where(visible_BCS[:, None, None], logits_BKGCS, jnp.finfo(jnp.float32).min)
   probs_BKGCS = jax.nn.softmax(logits_BKGCS, axis=-1).astype(dtype)
-  return jnp.einsum("BKGCS,BSKE->BCKGE", probs_BKGCS, v_BSKE.astype(dtype)).reshape(b, c, h, e)
+  return jnp.einsum("BKGCS,BSKE->BCKGE", probs_BKGCS,
+                    v_BSKE.astype(dtype)).reshape(b, c, h, v_BSKE.shape[-1])
 
 
 def cudnn_attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, causal=True, sm_scale=None,
@@ -202,7 +204,8 @@ def context_kernel_platform(impl: str, platform: str, interpret: bool = False) -
 def attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, impl="xla", causal=True,
               sm_scale=None, platform=None, interpret=False, block_q=None, block_k=None,
               context_parallel="all_gather", load_balance=True, window=None):
-  """Causal (by default) attention within segments; returns [B, T, H, E] in q's dtype.
+  """Causal (by default) attention within segments; returns [B, T, H, V] in q's dtype (V: the
+  values' head dim, which may be smaller than the queries' E).
 
   `platform` is what the program compiles for ("cpu", "gpu", "tpu"; the model passes its
   mesh's); it resolves `auto` and picks the kernels' route. `interpret`, `block_q` and `block_k`
@@ -216,6 +219,18 @@ def attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, impl="xla", causal
   platform = platform or current_platform()
   impl = resolve_impl(impl, platform, interpret=interpret)
   impl = impl_under_stages(impl, stage_count())
+  e, ev = q_BTHE.shape[-1], v_BSKE.shape[-1]
+  if ev != e and (impl != "xla" or context_size() > 1):
+    # Values with a head dim of their own (MLA: 128 against the queries' 192): the kernels
+    # take one head dim, so the values are zero-padded to it and the output cut back, which
+    # is exact (the padded columns of the output are zero) for a larger P @ V.
+    pad = [(0, 0)] * 3 + [(0, e - ev)]
+    out_BTHE = attention(q_BTHE, k_BSKE, jnp.pad(v_BSKE, pad), segment_ids_BT, impl=impl,
+                         causal=causal, sm_scale=sm_scale, platform=platform,
+                         interpret=interpret, block_q=block_q, block_k=block_k,
+                         context_parallel=context_parallel, load_balance=load_balance,
+                         window=window)
+    return out_BTHE[..., :ev]
   if context_size() > 1:
     if window is not None:
       raise ValueError(_CONTEXT_WINDOW_ERROR)

@@ -84,6 +84,14 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.local_rope_theta = 0.0
   # Attention's softmax scale is query_pre_attn_scalar ** -0.5 (Gemma 3); 0: head_dim ** -0.5.
   c.model.query_pre_attn_scalar = 0.0
+  # Multi-head latent attention (DeepSeek-V3; jaxtrain/models/mla.py) when kv_lora_rank > 0:
+  # keys and values from a kv_lora_rank latent per token, queries through a q_lora_rank
+  # bottleneck (0: one projection); head_dim is then the query/key head dim, of which the last
+  # qk_rope_head_dim dims carry RoPE, and v_head_dim the values'. Generation caches the latent.
+  c.model.q_lora_rank = 0
+  c.model.kv_lora_rank = 0
+  c.model.qk_rope_head_dim = 0
+  c.model.v_head_dim = 0
   c.model.tie_embeddings = False
   c.model.init_std = 0.02
   c.model.scan_layers = True
@@ -107,6 +115,18 @@ def default_config() -> ml_collections.ConfigDict:
   # dense MLP of model.mlp_dim.
   c.moe.dense_layers = ""
   c.moe.sparse_step = 1
+  # DeepSeek-V3's router: "sigmoid" scores (else "softmax"), plus a per-expert correction bias
+  # that only chooses experts (router_bias; moved by bias_update_rate below, never by
+  # gradients); the experts in n_group groups, of which the topk_group groups with the highest
+  # sum of their two best scores are eligible; the routing weights (renormalized when
+  # norm_topk_prob) times routed_scaling_factor; num_shared_experts gated MLPs of
+  # expert_mlp_dim each (one of num_shared_experts * expert_mlp_dim) that every token passes.
+  c.moe.router_score = "softmax"
+  c.moe.router_bias = False
+  c.moe.n_group = 1
+  c.moe.topk_group = 1
+  c.moe.routed_scaling_factor = 1.0
+  c.moe.num_shared_experts = 0
   # 0: dropless (every token reaches all its experts). > 0: each expert takes at most
   # ceil(capacity_factor * tokens * k / num_experts) of the tokens each device routes (top-1
   # choices first, then in order); the rest skip that expert (the residual carries them), and

@@ -99,6 +99,7 @@ from transformers import LlamaForCausalLM
 
 import hf_family_fixtures as families
 import hf_moe_fixtures as moe
+import hf_deepseek_fixtures as deepseek
 from hf_fixture_tools import (LOGIT_TOL, ROOT, VOCAB, ids_40, logits_and_loss, random_model,
                               tiny_tokenizer, write_case)
 
@@ -218,6 +219,9 @@ CASES: dict[str, Callable[[], None]] = {
     "hf_qwen3_moe_every_other": lambda: moe.qwen3_moe_case(
         "hf_qwen3_moe_every_other", 22, norm_topk_prob=False, mlp_only_layers=[],
         sparse_step=2, num_layers=4),
+    "hf_deepseek_v3": lambda: deepseek.deepseek_v3_case("hf_deepseek_v3", 23, yarn=False),
+    "hf_deepseek_v3_yarn": lambda: deepseek.deepseek_v3_case("hf_deepseek_v3_yarn", 24,
+                                                             yarn=True),
 }
 
 

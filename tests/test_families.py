@@ -35,11 +35,12 @@ def _tokens(b=2, t=24, vocab=128, seed=0):
 
 def test_every_family_is_registered_with_its_hf_names():
   # The Mixture-of-Experts families are tested in tests/test_moe*.py.
-  assert set(registry.NAMES) == {"llama", *FAMILIES, "mixtral", "qwen3_moe"}
+  assert set(registry.NAMES) == {"llama", *FAMILIES, "mixtral", "qwen3_moe", "deepseek_v3"}
   assert registry.for_hf_model_type("gemma3_text").name == "gemma3"
   assert registry.for_hf_model_type("gemma3").name == "gemma3"
   assert registry.for_hf_model_type("qwen3_moe").name == "qwen3_moe"
-  assert registry.for_hf_model_type("deepseek_v3") is None
+  assert registry.for_hf_model_type("deepseek_v3").name == "deepseek_v3"
+  assert registry.for_hf_model_type("deepseek_v2") is None
 
 
 # Scanned stacks for every family; unrolled layers (each with its static type) for Gemma 3.

@@ -365,7 +365,8 @@ def test_mistral_window_default_and_null():
 # Refusals: one line naming the field and what is supported
 # --------------------------------------------------------------------------------------------
 
-SUPPORTED_TYPES = "llama, qwen3, qwen2, mistral, gemma3_text, gemma3, mixtral, qwen3_moe"
+SUPPORTED_TYPES = ("llama, qwen3, qwen2, mistral, gemma3_text, gemma3, mixtral, qwen3_moe, "
+                   "deepseek_v3")
 
 
 @pytest.mark.parametrize("source,change,message", [

@@ -189,7 +189,8 @@ def test_optional_fields_take_transformers_defaults():
 
 @pytest.mark.parametrize("field,value,message", [
     ("model_type", "falcon", r"model_type='falcon': unsupported; jaxtrain imports model_type "
-                             r"llama, qwen3, qwen2, mistral, gemma3_text, gemma3, mixtral, qwen3_moe$"),
+                             r"llama, qwen3, qwen2, mistral, gemma3_text, gemma3, mixtral, qwen3_moe, "
+                             r"deepseek_v3$"),
     ("hidden_act", "gelu", r"hidden_act='gelu': unsupported"),
     ("attention_bias", True, r"attention_bias=True: unsupported"),
     ("mlp_bias", True, r"mlp_bias=True: unsupported"),

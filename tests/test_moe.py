@@ -99,7 +99,7 @@ def _experts(w_gate, w_up, w_down):
 
 
 def _call(routing):
-  return jax.jit(lambda x, m, r, *w: moe_layer(x, m, r, _experts(*w), routing))
+  return jax.jit(lambda x, m, r, *w: moe_layer(x, m, {"weight": r}, _experts(*w), routing))
 
 
 def _routing(norm=True, capacity_factor=0.0, impl="blocked"):
@@ -111,7 +111,7 @@ def _routing(norm=True, capacity_factor=0.0, impl="blocked"):
 @pytest.mark.parametrize("impl", ["blocked", "ragged"])
 def test_dropless_block_equals_each_tokens_experts_applied_one_by_one(norm, impl):
   x, mask, router, wg, wu, wd = _inputs()
-  out, stats = jax.jit(lambda x, m, r, *w: moe_layer(x, m, r, _experts(*w),
+  out, stats = jax.jit(lambda x, m, r, *w: moe_layer(x, m, {"weight": r}, _experts(*w),
                                                      _routing(norm, impl=impl)))(
       x, mask, router, wg, wu, wd)
   want, _ = _per_token_reference(x, router, wg, wu, wd, norm)
@@ -145,7 +145,8 @@ def test_dropless_block_gradients_equal_the_per_token_reference(norm):
   ones = np.ones(x.shape[:2], bool)
 
   def block(x, router, wg, wu, wd):
-    return jnp.sum(moe_layer(x, ones, router, _experts(wg, wu, wd), _routing(norm))[0] * dy)
+    return jnp.sum(moe_layer(x, ones, {"weight": router}, _experts(wg, wu, wd),
+                             _routing(norm))[0] * dy)
 
   def reference(x, router, wg, wu, wd):
     return jnp.sum(_per_token_jax(x, router, wg, wu, wd, norm) * dy)
@@ -192,7 +193,7 @@ def test_router_statistics_follow_their_formulas():
 
 
 def _loss(x, mask, router, wg, wu, wd, routing):
-  out, stats = moe_layer(x, mask, router, _experts(wg, wu, wd), routing)
+  out, stats = moe_layer(x, mask, {"weight": router}, _experts(wg, wu, wd), routing)
   return jnp.sum(out ** 2) + stats["aux_loss"] + stats["z_loss"]
 
 

@@ -38,6 +38,8 @@ from typing import Any
 import ml_collections
 
 from jaxtrain.config import ConfigError, default_config
+from jaxtrain.interop import hf_deepseek
+from jaxtrain.interop.hf_errors import HFFormatError
 from jaxtrain.models import registry
 from jaxtrain.models.config import FULL, SLIDING
 from jaxtrain.models.features import Family
@@ -68,10 +70,6 @@ SOFTCAPPING_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping")
 # Our dtype names <-> the names config.json uses (torch's, without the "torch." prefix).
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_SPELLINGS = ("rope_parameters", "rope_scaling")
-
-
-class HFFormatError(ConfigError):
-  """A Hugging Face directory or config that cannot be converted; one line naming what and why."""
 
 
 def read_hf_config(directory: str) -> dict[str, Any]:
@@ -387,7 +385,9 @@ def model_overrides(hf: dict) -> dict[str, Any]:
       "num_key_value_heads")
   kv_heads = heads if kv_heads is None else int(kv_heads)
   num_layers = int(get("num_hidden_layers"))
-  head_dim = get("head_dim")
+  latent = ({} if "kv_lora_rank" not in defaults
+            else hf_deepseek.latent_attention_overrides(hf, get, heads))
+  head_dim = latent.get("model.head_dim", get("head_dim"))
   if head_dim is None:
     if hidden % heads:
       raise HFFormatError(f"config.json hidden_size={hidden}: not divisible by "
@@ -426,6 +426,7 @@ def model_overrides(hf: dict) -> dict[str, Any]:
       "model.local_rope_theta": local_theta,
       "model.query_pre_attn_scalar": query_scalar,
   }
+  out.update(latent)
   out.update(_moe_overrides(hf, family, defaults, num_layers))
   for key, value in (scaling or {}).items():
     if key != "type":  # the scaling's own fields, as model.rope_scaling names them too
@@ -446,7 +447,8 @@ def _moe_overrides(hf: dict, family: Family, defaults: dict, num_layers: int) ->
   names = family.hf_experts
   if names is None:
     return {}
-  for key, ours in UNSUPPORTED_ROUTING:
+  deepseek = bool(names.router_bias)  # DeepSeek's router (interop/hf_deepseek.py)
+  for key, ours in () if deepseek else UNSUPPORTED_ROUTING:
     value = hf.get(key)
     if value is not None and value != ours and not (isinstance(ours, float) and value == 0):
       raise HFFormatError(f"config.json {key}={value!r}: unsupported routing; jaxtrain's "
@@ -460,7 +462,8 @@ def _moe_overrides(hf: dict, family: Family, defaults: dict, num_layers: int) ->
   if not 1 <= top_k <= experts:
     raise HFFormatError(f"config.json num_experts_per_tok={top_k}: must be between 1 and the "
                         f"{experts} experts")
-  dense = get("mlp_only_layers") or []
+  dense = (list(range(int(get("first_k_dense_replace") or 0))) if deepseek
+           else get("mlp_only_layers") or [])
   if any(not isinstance(i, int) or not 0 <= i < num_layers for i in dense):
     raise HFFormatError(f"config.json mlp_only_layers={dense!r}: expected layer indices below "
                         f"num_hidden_layers={num_layers}")
@@ -477,6 +480,8 @@ def _moe_overrides(hf: dict, family: Family, defaults: dict, num_layers: int) ->
     # transformers' load-balancing loss is k times ours (models/moe.py): the same weight in
     # the objective is k times its coefficient.
     out["moe.aux_loss_coef"] = float(hf["router_aux_loss_coef"]) * top_k
+  if deepseek:
+    out.update(hf_deepseek.routing_overrides(hf, get, experts, num_layers))
   return {
       **out,
       "moe.num_experts": experts,
@@ -487,6 +492,7 @@ def _moe_overrides(hf: dict, family: Family, defaults: dict, num_layers: int) ->
                             else True,
       "moe.dense_layers": ",".join(str(i) for i in dense),
       "moe.sparse_step": step,
+      **out,
   }
 
 

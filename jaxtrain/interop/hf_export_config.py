@@ -14,6 +14,7 @@ from typing import Any
 
 from jaxtrain.interop.hf_config import (DTYPES, HF_ACTIVATIONS, OUR_LAYER_TYPES, ROPE_SPELLINGS,
                                         HFFormatError, defaults_of, pattern_layer_types)
+from jaxtrain.interop import hf_deepseek
 from jaxtrain.models import registry
 from jaxtrain.models.config import FULL, SLIDING, architecture_of
 from jaxtrain.models.features import Family
@@ -87,6 +88,8 @@ def _export_moe(config, family: Family) -> dict[str, Any]:
       raise HFFormatError(f"moe.num_experts={moe.num_experts}: model.family={family.name!r} has "
                           f"no Mixture-of-Experts layout to export to; use mixtral or qwen3_moe")
     return {}
+  if names.router_bias:  # DeepSeek's router and layer pattern (interop/hf_deepseek.py)
+    return hf_deepseek.export_fields(config)
   moe_layers = architecture_of(config).moe_layers()
   k = int(moe.experts_per_token)
   # transformers 5 saves the expert count as num_local_experts for every family, 4 reads the
@@ -156,6 +159,8 @@ def from_jaxtrain_config(config, *, dtype: str, bos_id: int | None = None,
     hf["query_pre_attn_scalar"] = int(scalar) if scalar.is_integer() else scalar
   hf.update(_export_window(m, family, sliding))
   hf.update(_export_moe(config, family))
+  if int(m.kv_lora_rank):  # latent attention: the checkpoint's head_dim is the RoPE part
+    hf["head_dim"] = int(m.qk_rope_head_dim)
   rope = _rope_dict(m)
   per_type = "rope_local_base_freq" in defaults
   local = float(m.local_rope_theta)

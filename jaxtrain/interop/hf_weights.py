@@ -50,6 +50,9 @@ class TensorRule:
   ours: tuple[str, ...]  # parameter path (inside a block for per-layer tensors)
   hf_layout: str  # e.g. "HE,D"
   our_layout: str  # e.g. "DHE"
+  # Latent attention: the letter of our layout whose last P entries the checkpoint stores in
+  # the interleaved RoPE order (pairs (2i, 2i + 1)); ours are rotate-half's (i, i + P/2).
+  rope_letter: str = ""
 
   @property
   def per_layer(self) -> bool:
@@ -69,17 +72,40 @@ TOP_RULES = (
 )
 
 
-def layer_rules(features: Features, experts: ExpertNames | None = None
-                ) -> tuple[TensorRule, ...]:
-  """One layer's tensors for a family's switches (q, k, v, o first, in this order); `experts`:
-  an MoE layer's, named as the family's checkpoint names them."""
-  attn, layer = "model.layers.{i}.self_attn.", "model.layers.{i}."
-  rules = [
-      TensorRule(attn + "q_proj.weight", ("attn", "wq_DHE"), "HE,D", "DHE"),
-      TensorRule(attn + "k_proj.weight", ("attn", "wk_DKE"), "KE,D", "DKE"),
-      TensorRule(attn + "v_proj.weight", ("attn", "wv_DKE"), "KE,D", "DKE"),
-      TensorRule(attn + "o_proj.weight", ("attn", "wo_HED"), "D,HE", "HED"),
+def latent_attention_rules(q_lora: bool) -> list[TensorRule]:
+  """Multi-head latent attention's tensors (models/mla.py), DeepSeek-V3's names: the query
+  bottleneck (or one query projection without `q_lora`), the latent with the RoPE key, its
+  norm, the keys' and values' up-projection, the output."""
+  attn = "model.layers.{i}.self_attn."
+  if q_lora:
+    rules = [TensorRule(attn + "q_a_proj.weight", ("attn", "wq_a_DQ"), "Q,D", "DQ"),
+             TensorRule(attn + "q_a_layernorm.weight", ("attn", "q_a_norm", "scale"), "Q", "Q"),
+             TensorRule(attn + "q_b_proj.weight", ("attn", "wq_b_QHE"), "HE,Q", "QHE", "E")]
+  else:
+    rules = [TensorRule(attn + "q_proj.weight", ("attn", "wq_DHE"), "HE,D", "DHE", "E")]
+  return rules + [
+      TensorRule(attn + "kv_a_proj_with_mqa.weight", ("attn", "wkv_a_DA"), "A,D", "DA", "A"),
+      TensorRule(attn + "kv_a_layernorm.weight", ("attn", "kv_a_norm", "scale"), "R", "R"),
+      TensorRule(attn + "kv_b_proj.weight", ("attn", "wkv_b_RHB"), "HB,R", "RHB"),
+      TensorRule(attn + "o_proj.weight", ("attn", "wo_HUD"), "D,HU", "HUD"),
   ]
+
+
+def layer_rules(features: Features, experts: ExpertNames | None = None,
+                latent: bool | None = None) -> tuple[TensorRule, ...]:
+  """One layer's tensors for a family's switches (q, k, v, o first, in this order); `experts`:
+  an MoE layer's, named as the family's checkpoint names them; `latent`: latent attention's
+  instead of q, k, v, o (True: with the query bottleneck, False: without)."""
+  attn, layer = "model.layers.{i}.self_attn.", "model.layers.{i}."
+  if latent is None:
+    rules = [
+        TensorRule(attn + "q_proj.weight", ("attn", "wq_DHE"), "HE,D", "DHE"),
+        TensorRule(attn + "k_proj.weight", ("attn", "wk_DKE"), "KE,D", "DKE"),
+        TensorRule(attn + "v_proj.weight", ("attn", "wv_DKE"), "KE,D", "DKE"),
+        TensorRule(attn + "o_proj.weight", ("attn", "wo_HED"), "D,HE", "HED"),
+    ]
+  else:
+    rules = latent_attention_rules(latent)
   if features.qkv_bias:
     rules += [TensorRule(attn + "q_proj.bias", ("attn", "bq_HE"), "HE", "HE"),
               TensorRule(attn + "k_proj.bias", ("attn", "bk_KE"), "KE", "KE"),
@@ -102,6 +128,16 @@ def layer_rules(features: Features, experts: ExpertNames | None = None
         TensorRule(f"{each}{experts.up}.weight", ("mlp", "w_up_XDF"), "M,D", "DM"),
         TensorRule(f"{each}{experts.down}.weight", ("mlp", "w_down_XFD"), "D,M", "MD"),
     ]
+    if experts.router_bias:
+      rules.append(TensorRule(f"{block}{experts.router}.{experts.router_bias}",
+                              ("mlp", "router_bias_X"), "X", "X"))
+    if experts.shared:
+      shared = f"{block}{experts.shared}."
+      rules += [
+          TensorRule(shared + "gate_proj.weight", ("mlp", "shared", "w_gate_DF"), "S,D", "DS"),
+          TensorRule(shared + "up_proj.weight", ("mlp", "shared", "w_up_DF"), "S,D", "DS"),
+          TensorRule(shared + "down_proj.weight", ("mlp", "shared", "w_down_FD"), "D,S", "SD"),
+      ]
   rules.append(TensorRule(layer + "input_layernorm.weight", ("attn_norm", "scale"), "D", "D"))
   if features.sandwich_norms:
     rules += [
@@ -159,8 +195,21 @@ SINGLE_FILE = "model.safetensors"
 def sizes_of(cfg) -> dict[str, int]:
   """Shape-letter sizes of a ModelConfig."""
   a = cfg.arch
+  p = a.qk_rope_head_dim
   return {"V": a.vocab_size, "D": a.d_model, "H": a.num_heads, "K": a.num_kv_heads,
-          "E": a.head_dim, "F": a.mlp_dim, "X": a.num_experts, "M": a.expert_dim}
+          "E": a.head_dim, "F": a.mlp_dim, "X": a.num_experts, "M": a.expert_dim,
+          "S": a.num_shared_experts * a.expert_dim,
+          # Latent attention (models/mla.py).
+          "Q": a.q_lora_rank, "R": a.kv_lora_rank, "P": p, "U": a.v_head_dim,
+          "A": a.kv_lora_rank + p, "B": a.head_dim - p + a.v_head_dim}
+
+
+def _rope_order(size: int, rope: int) -> np.ndarray:
+  """Index map of a dim whose last `rope` entries are RoPE dims: ours[j] = checkpoint's[order[j]]
+  (the interleaved pairs' first members, then their second members)."""
+  start = size - rope
+  return np.concatenate([np.arange(start), start + np.arange(0, rope, 2),
+                         start + np.arange(1, rope, 2)])
 
 
 def hf_shape(rule: TensorRule, sizes: dict[str, int]) -> tuple[int, ...]:
@@ -189,9 +238,10 @@ def top_rules(cfg) -> tuple[TensorRule, ...]:
 
 def rules_of_layer(cfg, layer: int) -> tuple[TensorRule, ...]:
   """Layer `layer`'s tensors: the dense layer's, or an MoE layer's as its family names them."""
-  moe = cfg.arch.moe_layers()[layer]
-  return layer_rules(cfg.arch.features,
-                     registry.get(cfg.arch.family).hf_experts if moe else None)
+  a = cfg.arch
+  moe = a.moe_layers()[layer]
+  return layer_rules(a.features, registry.get(a.family).hf_experts if moe else None,
+                     bool(a.q_lora_rank) if a.kv_lora_rank else None)
 
 
 def rules_for(cfg) -> tuple[TensorRule, ...]:
@@ -223,12 +273,21 @@ def read_block(tensor_slice, rule: TensorRule, sizes: dict[str, int],
            for group in groups for j, c in enumerate(group)]
   block = block.reshape(split)[tuple(inner_cuts)]
   letters = "".join(groups)
-  return block.transpose([letters.index(c) for c in rule.our_layout])
+  block = block.transpose([letters.index(c) for c in rule.our_layout])
+  if rule.rope_letter:
+    # Never sharded (head_dim and latent dims are whole on every device): the full dim is here.
+    axis = rule.our_layout.index(rule.rope_letter)
+    assert block.shape[axis] == sizes[rule.rope_letter], (rule.hf_name, block.shape)
+    block = np.take(block, _rope_order(sizes[rule.rope_letter], sizes["P"]), axis=axis)
+  return block
 
 
 def to_hf_layout(x: np.ndarray, rule: TensorRule, sizes: dict[str, int]) -> np.ndarray:
   """Our whole (per-layer) parameter in the Hugging Face tensor's layout."""
   letters = rule.hf_layout.replace(",", "")
+  if rule.rope_letter:
+    order = _rope_order(sizes[rule.rope_letter], sizes["P"])
+    x = np.take(x, np.argsort(order), axis=rule.our_layout.index(rule.rope_letter))
   return x.transpose([rule.our_layout.index(c) for c in letters]).reshape(hf_shape(rule, sizes))
 
 

@@ -60,6 +60,20 @@ class Architecture:
   norm_topk_prob: bool = True
   dense_layers: tuple[int, ...] = ()
   sparse_step: int = 1
+  # DeepSeek-V3's routing (models/moe.route): sigmoid or softmax scores, a correction bias that
+  # chooses experts, group-limited choice, a scale on the weights, and always-on shared experts.
+  router_score: str = "softmax"
+  router_bias: bool = False
+  n_group: int = 1
+  topk_group: int = 1
+  routed_scaling_factor: float = 1.0
+  num_shared_experts: int = 0
+  # Multi-head latent attention (models/mla.py) when kv_lora_rank > 0; head_dim is then the
+  # query/key head dim (its last qk_rope_head_dim dims turned by RoPE), v_head_dim the values'.
+  q_lora_rank: int = 0
+  kv_lora_rank: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
 
   @property
   def features(self) -> Features:
@@ -261,7 +275,15 @@ def architecture_of(config) -> Architecture:
                norm_topk_prob=bool(moe_group.norm_topk_prob),
                dense_layers=parse_layer_indices(moe_group.dense_layers),
                sparse_step=int(moe_group.sparse_step))
-  return Architecture(**moe,
+    # Absent from configs saved before DeepSeek's routing existed: the softmax router.
+    for key, kind in (("router_score", str), ("router_bias", bool), ("n_group", int),
+                      ("topk_group", int), ("routed_scaling_factor", float),
+                      ("num_shared_experts", int)):
+      if key in moe_group:
+        moe[key] = kind(moe_group[key])
+  mla = {key: int(m[key]) for key in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+                                      "v_head_dim") if key in m}
+  return Architecture(**moe, **mla,
       family=m.family, vocab_size=m.vocab_size, num_layers=m.num_layers, d_model=m.d_model,
       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
       mlp_dim=m.mlp_dim, norm_eps=m.norm_eps, rope_theta=m.rope_theta,

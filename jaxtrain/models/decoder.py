@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxtrain.models import moe
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.models.layers import Block, norm, param
+from jaxtrain.models.layers import Block, attention_class, norm, param
 from jaxtrain.models.remat import remat_policy
 from jaxtrain.parallel import context_parallel, layer_stack
 from jaxtrain.parallel.mesh import shard
@@ -177,15 +177,17 @@ class Decoder(nnx.Module):
     return self.final_norm(x_BTD)
 
   def empty_cache(self, batch: int, length: int) -> dict[str, jax.Array]:
-    """A KV cache for `batch` rows of `length` positions: {"k", "v"}, [L, B, S, K, E] each."""
+    """A cache for `batch` rows of `length` positions, each entry stacked over the layers: keys
+    and values {"k", "v"} [L, B, S, K, E]; under latent attention {"latent" [L, B, S, R],
+    "k_rope" [L, B, S, P]} (models/mla.py)."""
     a = self.cfg.arch
-    shape = (a.num_layers, batch, length, a.num_kv_heads, a.head_dim)
+    dtype = self.cfg.runtime.dtype
     # Under a mesh (the GRPO rollouts) rows follow the batch's data-parallel split and heads the
     # tensor axis, like the activations; a no-op without one. The cache is made inside the jit
     # and carried through the decode loop, so XLA updates it in place (no copy per token).
-    names = (None, "act_batch", None, "act_kv_heads", None)
-    dtype = self.cfg.runtime.dtype
-    return {"k": shard(jnp.zeros(shape, dtype), names), "v": shard(jnp.zeros(shape, dtype), names)}
+    return {name: shard(jnp.zeros((a.num_layers, *shape), dtype), (None, *names))
+            for name, (shape, names) in attention_class(a).cache_shapes(a, batch,
+                                                                        length).items()}
 
   def forward_with_cache(self, tokens_BC, start_B, cache):
     """(float32 logits [B, C, V], updated cache) for C new tokens per row at positions
@@ -194,37 +196,35 @@ class Decoder(nnx.Module):
     positions_BC = start_B[:, None] + jnp.arange(tokens_BC.shape[1], dtype=jnp.int32)[None]
     x_BCD = self._embed(self.embed_VD[...].astype(cfg.runtime.dtype), tokens_BC)
     if not cfg.runtime.scan_layers:
-      ks, vs = [], []
+      layer_caches = []
       for i, block in enumerate(self.layers):
-        x_BCD, k_i, v_i = block.decode(x_BCD, positions_BC, cache["k"][i], cache["v"][i],
-                                       start_B)
-        ks.append(k_i)
-        vs.append(v_i)
-      new_k, new_v = jnp.stack(ks), jnp.stack(vs)
+        x_BCD, layer_cache = block.decode(x_BCD, positions_BC,
+                                          {k: v[i] for k, v in cache.items()}, start_B)
+        layer_caches.append(layer_cache)
+      new_cache = jax.tree.map(lambda *c: jnp.stack(c), *layer_caches)
     else:
-      ks, vs = [], []
+      stack_caches = []
       stacks = self._stacks()
       for layers, start, end in stacks:
         sliding = self._layer_types(start, end)
         # One stack takes the cache whole (no slice: the decode loop updates it in place).
-        cache_k, cache_v = ((cache["k"], cache["v"]) if len(stacks) == 1
-                            else (cache["k"][start:end], cache["v"][start:end]))
+        stack_cache = (cache if len(stacks) == 1
+                       else {k: v[start:end] for k, v in cache.items()})
 
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, None if sliding is None else 0),
-                  out_axes=(nnx.Carry, 0, 0),
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, None if sliding is None else 0),
+                  out_axes=(nnx.Carry, 0),
                   transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def run_stack(x_BCD, block, cache_k, cache_v, sliding):
-          return block.decode(x_BCD, positions_BC, cache_k, cache_v, start_B, sliding)
+        def run_stack(x_BCD, block, layer_cache, sliding):
+          return block.decode(x_BCD, positions_BC, layer_cache, start_B, sliding)
 
-        x_BCD, k, v = run_stack(x_BCD, layers, cache_k, cache_v, sliding)
-        ks.append(k)
-        vs.append(v)
-      new_k, new_v = (ks[0], vs[0]) if len(ks) == 1 else (jnp.concatenate(ks),
-                                                          jnp.concatenate(vs))
+        x_BCD, stack_cache = run_stack(x_BCD, layers, stack_cache, sliding)
+        stack_caches.append(stack_cache)
+      new_cache = (stack_caches[0] if len(stack_caches) == 1
+                   else jax.tree.map(lambda *c: jnp.concatenate(c), *stack_caches))
     x_BCD = self.final_norm(x_BCD)
     logits_BCV = jnp.einsum("BCD,DV->BCV", x_BCD, self.head_weights(),
                             preferred_element_type=jnp.float32)
-    return logits_BCV, {"k": new_k, "v": new_v}
+    return logits_BCV, new_cache
 
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
                dropout_key=None) -> jax.Array:

@@ -51,6 +51,10 @@ class ExpertNames:
   down: str
   num_experts_key: str
   expert_mlp_key: str
+  # DeepSeek's: the router's correction bias `{block}.{router}.{router_bias}` [X], and the
+  # shared experts' gated MLP `{block}.{shared}.{gate,up,down}_proj`; "" where there are none.
+  router_bias: str = ""
+  shared: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -179,27 +179,34 @@ class Attention(nnx.Module):
     return jax.lax.cond(sliding, functools.partial(attend, window=self.window), attend,
                         q_BTHE, k_BTKE, v_BTKE, segment_ids_BT)
 
-  def decode(self, x_BCD, positions_BC, cache_k_BSKE, cache_v_BSKE, start_B, sliding=None):
-    """C new tokens per row with a KV cache (generation): their keys and values are written at
-    [start, start + C) and each query attends over the cache up to its position (and within the
-    window on sliding layers). Returns the sublayer's output and the updated cache."""
+  def decode(self, x_BCD, positions_BC, cache, start_B, sliding=None):
+    """C new tokens per row with a KV cache ({"k", "v"}: [B, S, K, E] each; generation): their
+    keys and values are written at [start, start + C) and each query attends over the cache up
+    to its position (and within the window on sliding layers). Returns the sublayer's output
+    and the updated cache."""
     sliding = self._is_sliding(sliding)
     proj = functools.partial(project, dtype=self.dtype)
     q_BCHE, k_BCKE, v_BCKE = self._qkv(x_BCD, positions_BC, proj, sliding, training=False)
     write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(
         cache, new.astype(cache.dtype), (start, 0, 0)))
-    cache_k_BSKE = write(cache_k_BSKE, k_BCKE, start_B)
-    cache_v_BSKE = write(cache_v_BSKE, v_BCKE, start_B)
+    cache = {"k": write(cache["k"], k_BCKE, start_B), "v": write(cache["v"], v_BCKE, start_B)}
     window = None
     if sliding is True:
       window = self.window
     elif sliding is not False:
       window = jnp.where(sliding, self.window, 0)  # <= 0: no window
-    out_BCHE = attention_lib.cached_attention(q_BCHE, cache_k_BSKE, cache_v_BSKE, positions_BC,
+    out_BCHE = attention_lib.cached_attention(q_BCHE, cache["k"], cache["v"], positions_BC,
                                               self.dtype, window=window, sm_scale=self.sm_scale)
     b, c, h, e = out_BCHE.shape
     out_BCD = proj(out_BCHE.reshape(b, c, h * e), self.wo_HED, self.lora_o, num_in=2)
-    return out_BCD, cache_k_BSKE, cache_v_BSKE
+    return out_BCD, cache
+
+  @staticmethod
+  def cache_shapes(arch, batch: int, length: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """{name: (shape, logical axes)} of one layer's cache: keys and values."""
+    kv = ((batch, length, arch.num_kv_heads, arch.head_dim),
+          ("act_batch", None, "act_kv_heads", None))
+    return {"k": kv, "v": kv}
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None, sliding=None):
     sliding = self._is_sliding(sliding)
@@ -213,11 +220,12 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """Gated MLP: down(act(x @ gate) * (x @ up)); act is silu (SwiGLU) or tanh-GELU (GeGLU)."""
+  """Gated MLP: down(act(x @ gate) * (x @ up)); act is silu (SwiGLU) or tanh-GELU (GeGLU).
+  `mlp_dim`: its hidden size, model.mlp_dim unless given (an MoE block's shared experts)."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, mlp_dim: int | None = None):
     a = cfg.arch
-    d, f = a.d_model, a.mlp_dim
+    d, f = a.d_model, mlp_dim or a.mlp_dim
     out_std = a.init_std / math.sqrt(2 * a.num_layers)
     up = (d, f), ("embed", "mlp")
     down = (f, d), ("mlp", "embed")
@@ -242,6 +250,12 @@ class MLP(nnx.Module):
     return checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")), "mlp_down")
 
 
+class RouterBias(nnx.Variable):
+  """An MoE layer's per-expert correction bias (DeepSeek-V3's auxiliary-loss-free balancing):
+  model state that is not an nnx.Param, so neither gradients nor the optimizer touch it; the
+  train step moves it by the experts' load."""
+
+
 class MoE(nnx.Module):
   """Mixture of Experts in the MLP's place (models/moe.py): a router [D, X] and X gated MLPs
   stored as [X, D, F] / [X, F, D] stacks, run by moe.moe_layer. Under LoRA each targeted
@@ -255,6 +269,11 @@ class MoE(nnx.Module):
     # The router stays in the param dtype: its logits are computed in float32.
     self.router_DX = param(rngs, (d, x), ("embed", None), a.init_std,
                            jnp.dtype(rt.param_dtype))
+    # DeepSeek's correction bias: chooses experts, moved by the load balancing, not trained.
+    self.router_bias_X = (RouterBias(jnp.zeros((x,), jnp.float32), out_sharding=(None,))
+                          if a.router_bias else None)
+    # Shared experts (DeepSeek): one gated MLP of their summed width that every token passes.
+    self.shared = (MLP(cfg, rngs, a.num_shared_experts * f) if a.num_shared_experts else None)
     up, down = (x, d, f), (x, f, d)
     names = moe_lib.WEIGHT_NAMES
     self.w_gate_XDF = _weight(cfg, rngs, up, names["gate"], a.init_std, in_axis=1)
@@ -269,7 +288,9 @@ class MoE(nnx.Module):
         num_experts=x, top_k=a.experts_per_token, norm_topk_prob=a.norm_topk_prob,
         capacity_factor=rt.moe_capacity_factor, activation=a.features.mlp_activation,
         matmul_impl=resolve_impl(rt.moe_grouped_matmul, rt.platform), dtype=rt.dtype,
-        lora_scale=cfg.peft.lora_alpha / cfg.peft.lora_rank if cfg.peft.lora_rank else 0.0)
+        lora_scale=cfg.peft.lora_alpha / cfg.peft.lora_rank if cfg.peft.lora_rank else 0.0,
+        score=a.router_score, n_group=a.n_group, topk_group=a.topk_group,
+        scaling_factor=a.routed_scaling_factor)
 
   def __call__(self, x_BTD, mask_BT):
     """(out_BTD, the layer's router statistics); `mask_BT`: the tokens the statistics count."""
@@ -282,10 +303,22 @@ class MoE(nnx.Module):
       if lora is not None:
         experts[name + "_a"] = lora.a_XIR[...].astype(dtype)
         experts[name + "_b"] = lora.b_XRO[...].astype(dtype)
-    out_BTD, stats = moe_lib.moe_layer(x_BTD, mask_BT, self.router_DX[...], experts,
-                                       self.routing)
+    router = {"weight": self.router_DX[...]}
+    if self.router_bias_X is not None:
+      router["bias"] = self.router_bias_X[...]
+    out_BTD, stats = moe_lib.moe_layer(x_BTD, mask_BT, router, experts, self.routing)
+    if self.shared is not None:
+      out_BTD = out_BTD + self.shared(x_BTD)
     return checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")),
                            "mlp_down"), stats
+
+
+def attention_class(arch):
+  """The attention sublayer's class: multi-head latent attention (models/mla.py) when the
+  architecture has a kv latent, else the shared multi-head / grouped-query one."""
+  # Imported here: mla.py imports this module's weight and norm helpers.
+  from jaxtrain.models.mla import LatentAttention  # pylint: disable=import-outside-toplevel
+  return LatentAttention if arch.kv_lora_rank else Attention
 
 
 class Block(nnx.Module):
@@ -298,7 +331,7 @@ class Block(nnx.Module):
     d = cfg.arch.d_model
     sandwich = cfg.arch.features.sandwich_norms
     self.attn_norm = norm(cfg, d)
-    self.attn = Attention(cfg, rngs, sliding)
+    self.attn = attention_class(cfg.arch)(cfg, rngs, sliding)
     self.post_attn_norm = norm(cfg, d) if sandwich else None
     self.mlp_norm = norm(cfg, d)
     self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
@@ -325,8 +358,8 @@ class Block(nnx.Module):
     mask_BT = None if segment_ids_BT is None else segment_ids_BT > 0  # padding routes, uncounted
     return self._mlp_residual(self._attn_residual(x_BTD, out_BTD), mask_BT, dropout_key)
 
-  def decode(self, x_BCD, positions_BC, cache_k_BSKE, cache_v_BSKE, start_B, sliding=None):
-    out_BCD, cache_k_BSKE, cache_v_BSKE = self.attn.decode(
-        self.attn_norm(x_BCD), positions_BC, cache_k_BSKE, cache_v_BSKE, start_B, sliding)
+  def decode(self, x_BCD, positions_BC, cache, start_B, sliding=None):
+    out_BCD, cache = self.attn.decode(self.attn_norm(x_BCD), positions_BC, cache, start_B,
+                                      sliding)
     x_BCD, _ = self._mlp_residual(self._attn_residual(x_BCD, out_BCD))
-    return x_BCD, cache_k_BSKE, cache_v_BSKE
+    return x_BCD, cache

@@ -48,6 +48,11 @@ class Routing:
   matmul_impl: str  # "ragged" | "blocked" (resolved)
   dtype: str
   lora_scale: float = 0.0  # alpha / rank of the experts' adapters, when they have them
+  # DeepSeek-V3's router (`route`): sigmoid scores, group-limited choice, scaled weights.
+  score: str = "softmax"
+  n_group: int = 1
+  topk_group: int = 1
+  scaling_factor: float = 1.0
 
 
 # The experts' weights travel as a dict: "gate", "up" [X, D, F] and "down" [X, F, D], and for
@@ -55,14 +60,47 @@ class Routing:
 # their logical axes).
 
 
-def route(logits_NX: jax.Array, top_k: int, norm_topk_prob: bool):
-  """(probs_NX, weights_NK, experts_NK): softmax probabilities, the top-k's routing weights and
-  expert indices, all from float32 logits."""
-  probs_NX = jax.nn.softmax(logits_NX.astype(jnp.float32), axis=-1)
-  weights_NK, experts_NK = jax.lax.top_k(probs_NX, top_k)
-  if norm_topk_prob:
-    weights_NK = weights_NK / jnp.sum(weights_NK, axis=-1, keepdims=True)
+def route(logits_NX: jax.Array, routing: Routing, bias_X: jax.Array | None = None):
+  """(probs_NX, weights_NK, experts_NK) from float32 router logits: each token's scores over
+  the experts (summing to 1: the softmax, or the sigmoid scores normalized, for the balance
+  loss), the top-k's routing weights and expert indices.
+
+  softmax (Mixtral, Qwen3-MoE): the k most probable experts, weighted by their probabilities,
+  renormalized to sum to 1 when `norm_topk_prob`.
+  sigmoid (DeepSeek-V3): scores sigmoid(logits); the choice ranks score + bias_X (the
+  correction bias: it steers which experts are chosen, never their weights), among the experts
+  of the `topk_group` of `n_group` groups whose two best biased scores sum highest; weights are
+  the chosen experts' scores, renormalized when `norm_topk_prob`, times `scaling_factor`.
+  """
+  logits_NX = logits_NX.astype(jnp.float32)
+  if routing.score == "softmax":
+    probs_NX = jax.nn.softmax(logits_NX, axis=-1)
+    choice_NX = probs_NX
+  else:
+    scores_NX = jax.nn.sigmoid(logits_NX)
+    probs_NX = scores_NX / jnp.sum(scores_NX, axis=-1, keepdims=True)
+    choice_NX = scores_NX if bias_X is None else scores_NX + bias_X.astype(jnp.float32)
+  if routing.n_group > 1:
+    choice_NX = _within_best_groups(choice_NX, routing.n_group, routing.topk_group)
+  _, experts_NK = jax.lax.top_k(choice_NX, routing.top_k)
+  source_NX = probs_NX if routing.score == "softmax" else scores_NX
+  weights_NK = jnp.take_along_axis(source_NX, experts_NK, axis=-1)
+  if routing.norm_topk_prob:
+    weights_NK = weights_NK / (jnp.sum(weights_NK, axis=-1, keepdims=True) + 1e-20)
+  if routing.scaling_factor != 1.0:
+    weights_NK = weights_NK * routing.scaling_factor
   return probs_NX, weights_NK, experts_NK.astype(jnp.int32)
+
+
+def _within_best_groups(choice_NX, n_group: int, topk_group: int):
+  """choice_NX with the experts outside each token's `topk_group` best groups set to 0 (as
+  DeepSeek-V3's reference does): a group's rank is the sum of its two best choice scores."""
+  n, x = choice_NX.shape
+  grouped_NGM = choice_NX.reshape(n, n_group, x // n_group)
+  group_score_NG = jnp.sum(jax.lax.top_k(grouped_NGM, min(2, x // n_group))[0], axis=-1)
+  _, best_NJ = jax.lax.top_k(group_score_NG, topk_group)
+  keep_NG = jnp.zeros((n, n_group), bool).at[jnp.arange(n)[:, None], best_NJ].set(True)
+  return jnp.where(keep_NG[:, :, None], grouped_NGM, 0.0).reshape(n, x)
 
 
 def capacity(tokens: int, routing: Routing) -> int:
@@ -177,14 +215,14 @@ def local_experts(experts: dict, routing: Routing, tokens: int):
   return run
 
 
-def moe_ffn(x_ND, mask_N, router_DX, run, routing: Routing, *, psum=lambda t: t):
+def moe_ffn(x_ND, mask_N, router: dict, run, routing: Routing, *, psum=lambda t: t):
   """One device's N tokens through the MoE block: (out_ND in float32, statistics).
 
   `run(x_AD, expert_A, group_sizes_X) -> (y_AD, dropped_A)` takes the assignments, sorted by
   expert, through their experts (`local_experts`, or `exchanging_experts`); `psum` sums the
   statistics over the devices holding other tokens."""
-  logits_NX = jnp.dot(x_ND.astype(jnp.float32), router_DX.astype(jnp.float32))
-  probs_NX, weights_NK, experts_NK = route(logits_NX, routing.top_k, routing.norm_topk_prob)
+  logits_NX = jnp.dot(x_ND.astype(jnp.float32), router["weight"].astype(jnp.float32))
+  probs_NX, weights_NK, experts_NK = route(logits_NX, routing, router.get("bias"))
   order_A, token_A, expert_A, group_sizes_X = sort_by_expert(experts_NK, routing.num_experts)
   y_AD, dropped_sorted_A = run(x_ND[token_A], expert_A, group_sizes_X)
   out_ND = unsort_and_combine(y_AD, order_A, weights_NK)
@@ -240,26 +278,27 @@ def exchanging_experts(experts: dict, routing: Routing, tokens: int, shards: int
   return capacity_bounded if routing.capacity_factor > 0 else dropless
 
 
-def moe_layer(x_BTD, mask_BT, router_DX, experts: dict, routing: Routing):
+def moe_layer(x_BTD, mask_BT, router: dict, experts: dict, routing: Routing):
   """The MoE block on [B, T, D] tokens, under the current mesh (or none): (out_BTD in x's dtype,
-  the layer's router statistics). `experts`: the weights (gate, up, down, and adapters: keys of
+  the layer's router statistics). `router`: {"weight": [D, X]} and, for DeepSeek's router, its
+  correction {"bias": [X]}; `experts`: the weights (gate, up, down, and adapters: keys of
   WEIGHT_NAMES) in the compute dtype. Under a mesh each device routes its own tokens
   (parallel/expert_parallel.over_token_shards), exchanging them with the devices that hold
   their experts when mesh.expert > 1."""
-  def body(x_ND, mask_N, router_DX, experts, psum, shards):
+  def body(x_ND, mask_N, router, experts, psum, shards):
     n = x_ND.shape[0]
     if shards == 1:
       run = local_experts(experts, routing, n)
     else:
       run = exchanging_experts(experts, routing, n, shards)
-    return moe_ffn(x_ND, mask_N, router_DX, run, routing, psum=psum)
+    return moe_ffn(x_ND, mask_N, router, run, routing, psum=psum)
 
   if jax.sharding.get_abstract_mesh().empty:
     b, t, d = x_BTD.shape
-    out_ND, stats = body(x_BTD.reshape(b * t, d), mask_BT.reshape(b * t), router_DX, experts,
+    out_ND, stats = body(x_BTD.reshape(b * t, d), mask_BT.reshape(b * t), router, experts,
                          lambda tree: tree, 1)
     return out_ND.reshape(b, t, d).astype(x_BTD.dtype), stats
-  return expert_parallel.over_token_shards(body, x_BTD, mask_BT, router_DX, experts,
+  return expert_parallel.over_token_shards(body, x_BTD, mask_BT, router, experts,
                                            {k: WEIGHT_NAMES[k] for k in experts})
 
 

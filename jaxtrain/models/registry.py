@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from jaxtrain.models import gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from jaxtrain.models import (deepseek_v3, gemma3, llama, mistral, mixtral, qwen2, qwen3,
+                             qwen3_moe)
 from jaxtrain.models.features import Family
 
 FAMILIES: dict[str, Family] = {f.FAMILY.name: f.FAMILY
-                               for f in (llama, qwen3, qwen2, mistral, gemma3, mixtral, qwen3_moe)}
+                               for f in (llama, qwen3, qwen2, mistral, gemma3, mixtral, qwen3_moe,
+                                           deepseek_v3)}
 NAMES = tuple(FAMILIES)
 
 

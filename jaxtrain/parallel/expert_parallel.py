@@ -39,11 +39,11 @@ def all_to_all(x):
   return jax.lax.all_to_all(x, EXPERT_AXIS, split_axis=0, concat_axis=0, tiled=True)
 
 
-def over_token_shards(body: Callable, x_BTD, mask_BT, router_DX, experts: dict,
+def over_token_shards(body: Callable, x_BTD, mask_BT, router: dict, experts: dict,
                       expert_names: dict):
-  """`body(x_ND, mask_N, router_DX, experts, psum, expert_shards)` on each device's tokens
+  """`body(x_ND, mask_N, router, experts, psum, expert_shards)` on each device's tokens
   under the current mesh, inside shard_map: x_ND and mask_N this device's tokens (flattened),
-  the router whole, `experts` ({name: array}, logical axes in `expert_names`) this device's
+  the router's arrays whole, `experts` ({name: array}, logical axes in `expert_names`) this device's
   slices: split over `expert` and over `tensor` where their names say so, FSDP's shards
   gathered on the way in (mesh.gathered_spec). `psum(tree)` sums over the devices holding
   other tokens; `expert_shards` is E. `body` returns (out_ND float32, statistics); the partial
@@ -53,9 +53,9 @@ def over_token_shards(body: Callable, x_BTD, mask_BT, router_DX, experts: dict,
   token_axes = tuple(a for a in BATCH_AXES + ("context",) if a in mesh.axis_names)
   shards = axis_size(EXPERT_AXIS, mesh)
 
-  def per_device(x_btD, mask_bt, router_DX, experts):
+  def per_device(x_btD, mask_bt, router, experts):
     bl, tl, _ = x_btD.shape
-    out_ND, stats = body(x_btD.reshape(bl * tl, d), mask_bt.reshape(bl * tl), router_DX,
+    out_ND, stats = body(x_btD.reshape(bl * tl, d), mask_bt.reshape(bl * tl), router,
                          experts, lambda tree: jax.lax.psum(tree, token_axes), shards)
     out_ND = jax.lax.psum(out_ND, "tensor")  # each tensor shard computed its F slice
     return out_ND.reshape(bl, tl, d).astype(x_btD.dtype), stats
@@ -65,4 +65,4 @@ def over_token_shards(body: Callable, x_BTD, mask_BT, router_DX, experts: dict,
   return jax.shard_map(
       per_device, mesh=mesh,
       in_specs=(tokens, P(BATCH_AXES, "context"), P(), expert_specs),
-      out_specs=(tokens, P()))(x_BTD, mask_BT, router_DX, experts)
+      out_specs=(tokens, P()))(x_BTD, mask_BT, router, experts)

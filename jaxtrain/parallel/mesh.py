@@ -47,6 +47,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # Pipeline stages: each holds a contiguous group of the stacked layers (jaxtrain.parallel.pipeline).
     ("layers", "stage"),
     ("lora_rank", None),
+    # Latent attention's ranks (q_lora_rank, kv_lora_rank; models/mla.py): small, whole.
+    ("latent", None),
     # MoE experts [X, D, F]: the experts split over `expert`; inside an expert, D is stored
     # sharded like `embed` (less the expert axis, which the expert dim holds) and F like `mlp`.
     ("experts", "expert"),
