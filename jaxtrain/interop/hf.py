@@ -43,6 +43,7 @@ from jaxtrain.interop.hf_config import HFFormatError
 from jaxtrain.parallel.mesh import make_mesh
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.decoder import Decoder
+from jaxtrain.models.variables import WEIGHTS
 from jaxtrain.sharding import abstract_model
 
 DEFAULT_MAX_FILE_BYTES = 5 * 10**9  # what transformers' save_pretrained uses (5GB)
@@ -310,7 +311,7 @@ def save_model(model: Decoder, config, path: str, *, dtype: str | None = None,
       rope_scaling at the top level, for readers older than transformers 5).
   """
   cfg = ModelConfig.from_config(config)
-  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  params = nnx.to_pure_dict(nnx.state(model, WEIGHTS))
   _, abstract_params, _ = abstract_model(cfg, default_mesh())
   want = {_key_path(p): a.shape for p, a in jax.tree_util.tree_leaves_with_path(abstract_params)}
   got = {_key_path(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(params)}
@@ -414,7 +415,7 @@ def import_command(hf_dir: str, out: str, dtype: str = "float32") -> str:
   cfg = ModelConfig.from_config(hf_config.to_jaxtrain_config(hf, hf_dir, dtype))
   model, _ = load_model(hf_dir, mesh=_host_mesh(cfg), dtype=dtype)
   os.makedirs(out, exist_ok=True)
-  checkpoint.save_params(out, nnx.state(model, nnx.Param))
+  checkpoint.save_params(out, nnx.state(model, WEIGHTS))
   for name in TOKENIZER_FILES:
     if os.path.isfile(os.path.join(hf_dir, name)):
       shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out, name))

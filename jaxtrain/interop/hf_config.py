@@ -37,7 +37,7 @@ from typing import Any
 
 import ml_collections
 
-from jaxtrain.config import ConfigError, default_config
+from jaxtrain.config import default_config
 from jaxtrain.interop import hf_deepseek
 from jaxtrain.interop.hf_errors import HFFormatError
 from jaxtrain.models import registry

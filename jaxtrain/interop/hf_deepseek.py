@@ -90,4 +90,7 @@ def export_fields(config) -> dict[str, Any]:
           "topk_group": int(moe.topk_group),
           "routed_scaling_factor": float(moe.routed_scaling_factor),
           "norm_topk_prob": bool(moe.norm_topk_prob), "first_k_dense_replace": len(dense),
-          "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+          "qk_head_dim": int(m.head_dim),
+          # No multi-token prediction layer is exported (nor read: transformers' own model
+          # has none either).
+          "num_nextn_predict_layers": 0}

@@ -31,7 +31,7 @@ FAMILY = Family(
                  "v_head_dim": 128, "qk_nope_head_dim": 128, "rope_interleave": True,
                  "num_nextn_predict_layers": 1},
     hf_export_fields={"attention_bias": False, "attention_dropout": 0.0,
-                      "rope_interleave": True},
+                      "rope_interleave": True, "pretraining_tp": 1},
     # LoRA on MLA's output projection and on the MLPs (dense, shared and every expert).
     lora_targets=("o", "gate", "up", "down"),
     summary="DeepSeek-V3: latent attention, sigmoid-routed experts with shared experts",

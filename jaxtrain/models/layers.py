@@ -27,6 +27,7 @@ from jaxtrain.grouped_matmul import resolve_impl
 from jaxtrain.models import moe as moe_lib
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.rope import apply_rope, rope_attention_factor, rope_inv_freq
+from jaxtrain.models.variables import RouterBias
 from jaxtrain.parallel.mesh import shard
 from jaxtrain.peft import lora as lora_lib
 from jaxtrain.peft.projection import project, weight_value
@@ -248,12 +249,6 @@ class MLP(nnx.Module):
     h_BTF = shard(act(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp"))
     out_BTD = proj(h_BTF, self.w_down_FD, self.lora_down)
     return checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")), "mlp_down")
-
-
-class RouterBias(nnx.Variable):
-  """An MoE layer's per-expert correction bias (DeepSeek-V3's auxiliary-loss-free balancing):
-  model state that is not an nnx.Param, so neither gradients nor the optimizer touch it; the
-  train step moves it by the experts' load."""
 
 
 class MoE(nnx.Module):

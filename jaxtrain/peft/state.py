@@ -23,6 +23,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 # The decoder imports jaxtrain.peft (for project/adapters), so only the module object is bound
 # here; its attributes are looked up at call time, after both modules have loaded.
 from jaxtrain.models import decoder as decoder_lib
+from jaxtrain.models.variables import WEIGHTS, RouterBias
 from jaxtrain.parallel.mesh import LOGICAL_RULES, MESH_AXES
 from jaxtrain.peft.lora import Adapter, ExpertLoRA, LoRA
 from jaxtrain.peft.quantize import QuantizedWeight
@@ -76,7 +77,7 @@ def frozen_from_base(base_params, cfg):
           for path, leaf in nnx.to_flat_state(nnx.State(base_params) if isinstance(
               base_params, dict) else base_params)}
   expected = {_key(path): var for path, var in nnx.to_flat_state(
-      nnx.state(_abstract(plain_config(cfg)), nnx.Param))}
+      nnx.state(_abstract(plain_config(cfg)), WEIGHTS))}
   missing = sorted("/".join(p) for p in expected.keys() - base.keys())
   extra = sorted("/".join(p) for p in base.keys() - expected.keys())
   if missing or extra:
@@ -93,6 +94,8 @@ def frozen_from_base(base_params, cfg):
       node.quantize_from(base[_key(path)])
     elif isinstance(node, nnx.Param):
       node.set_value(jnp.asarray(base[_key(path)]).astype(param_dtype))
+    elif isinstance(node, RouterBias):  # float32 whatever the param dtype
+      node.set_value(jnp.asarray(base[_key(path)]).astype(jnp.float32))
   return nnx.state(model, nnx.Not(trainable_filter(cfg)))
 
 
@@ -108,6 +111,9 @@ def merged_params(model):
             for path, node in nnx.iter_graph(model) if isinstance(node, (LoRA, ExpertLoRA))}
   param_dtype = jnp.dtype(cfg.runtime.param_dtype)
   for path, var in list(nnx.iter_graph(plain)):
+    if isinstance(var, RouterBias):
+      var.set_value(nodes[_key(path)][...])
+      continue
     if not isinstance(var, nnx.Param):
       continue
     source = nodes[_key(path)]
@@ -118,7 +124,7 @@ def merged_params(model):
     if _key(path) in deltas:
       w = w.astype(jnp.float32) + deltas[_key(path)]
     var.set_value(w.astype(param_dtype))
-  return nnx.state(plain, nnx.Param)
+  return nnx.state(plain, WEIGHTS)
 
 
 @dataclasses.dataclass(frozen=True)
