@@ -8,7 +8,7 @@ import pytest
 from jaxtrain import data
 from jaxtrain.config import ConfigError
 from jaxtrain.data import sources
-from tests.helpers import run_cli, run_main
+from tests.helpers import SMALL_TINY_ARGS as SMALL, run_cli, run_main
 from tests.data_helpers import GREEK_WORDS as WORDS, texts_jsonl
 from tests.data_helpers import T, assert_batches_equal, assert_resumes, small_config, take
 
@@ -107,7 +107,7 @@ def test_cli_malformed_jsonl_exits_2_naming_the_line(tmp_path):
     f.write('{"text": "unterminated\n')
   data_flags = ["--config=configs/tiny.py", "--config.data.source=jsonl",
                 f"--config.data.train_paths={path}", f"--config.data.eval_paths={path}",
-                "--config.train.steps=1"]
+                *SMALL, "--config.train.eval_batches=1", "--config.train.steps=1"]
   # The default (data.on_bad_record='fail'): the run stops before training, exit code 2 and one
   # line naming the file and the line. A real process: the suite's exit-code check of a data
   # error through `python -m jaxtrain.main`.

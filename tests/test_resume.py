@@ -78,7 +78,7 @@ def _copy_run(source, workdir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed,during_save", [(0, False), (1, False), (2, True)])
+@pytest.mark.parametrize("seed,during_save", [(0, False), (2, True)])
 def test_resume_after_sigkill_matches_uninterrupted(tmp_path, uninterrupted, seed, during_save):
   kill_step = random.Random(seed).randint(2, STEPS - 2)
   torn = kill_after_step(tmp_path, kill_step, during_save)

@@ -2,11 +2,13 @@
 and a run that cannot fit this machine stops before allocating anything."""
 
 import os
+import re
 
 import pytest
 
 from jaxtrain.config import load_config_file
 from jaxtrain.dryrun import measure, targets
+from jaxtrain.grouped_matmul import resolve_impl
 from tests.helpers import REPO, run_main
 
 SIZED_FOR_ACCELERATORS = ("llama3_1b", "llama3_3b", "llama8b", "llama70b", "llama405b",
@@ -25,6 +27,21 @@ def test_every_config_names_a_valid_target():
         assert targets.parse(config.target).chip is not None, name
 
 
+def _experts_travel_by_all_to_all(m):
+  """Expert parallelism on GPU hosts: XLA:GPU has no grouped GEMM for ragged_dot, so the
+  blocked route (a while loop of GEMMs) runs; tokens go to their experts' devices and back by
+  all-to-all, forward and backward, in every scanned layer."""
+  assert m.mesh.expert > 1
+  assert resolve_impl(m.model_cfg.runtime.moe_grouped_matmul, "gpu") == "blocked"
+  assert re.search(r"\bwhile\(", m.hlo)
+  assert len(re.findall(r"\ball-to-all(?:-start)?\(", m.hlo)) >= 4
+
+
+# What else the targets' compilers show of these steps, read from the compile the fit test makes.
+COMPILED_STEP_CHECKS = {name: _experts_travel_by_all_to_all
+                        for name in ("mixtral_8x7b", "qwen3_30b_a3b", "qwen3_235b_a22b")}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SIZED_FOR_ACCELERATORS)
 def test_shipped_config_fits_its_target(name):
@@ -39,6 +56,8 @@ def test_shipped_config_fits_its_target(name):
   assert m.total <= 0.9 * target.memory_bytes, (
       f"{name} needs {m.total / 2**30:.2f} GiB of {target.name}'s "
       f"{target.memory_bytes / 2**30:.1f} GiB per device")
+  if name in COMPILED_STEP_CHECKS:
+    COMPILED_STEP_CHECKS[name](m)
 
 
 def test_llama8b_training_on_this_host_stops_before_allocating(tmp_path):

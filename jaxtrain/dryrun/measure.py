@@ -83,6 +83,7 @@ class Measurement:
   # memory_analysis() temporaries where `temp` comes from the buffer assignment instead.
   breakdown: breakdown_lib.Breakdown | None = None
   reported_temp: int | None = None
+  hlo: str = ""  # the compiled step's optimized HLO text, which the FLOP count reads
 
   @property
   def total(self) -> int:
@@ -285,7 +286,8 @@ def _compile_and_measure(config, devices, platform: str | None = None,
   reported_temp = None
   if backend == "tpu" and found is not None and found.temp_bytes != temp:
     reported_temp, temp = temp, found.temp_bytes
-  counted = hlo_flops.count(compiled.as_text())
+  hlo = compiled.as_text()
+  counted = hlo_flops.count(hlo)
   cost = compiled.cost_analysis()  # None for deviceless GPU compiles
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
   # Accelerator compilers place offloaded activations in host memory themselves.
@@ -299,7 +301,7 @@ def _compile_and_measure(config, devices, platform: str | None = None,
       loops_without_trip_count=counted.loops_without_trip_count, compile_s=compile_s,
       param_shards=param_shards + frozen_shards, attention_note=attention_note,
       frozen=exact.frozen, act_host=act_host,
-      breakdown=found if with_breakdown else None, reported_temp=reported_temp)
+      breakdown=found if with_breakdown else None, reported_temp=reported_temp, hlo=hlo)
 
 
 def _refused(config, devices, platform, e: CompilerOutOfMemory, compile_s: float) -> Measurement:
