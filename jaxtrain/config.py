@@ -136,6 +136,15 @@ def default_config() -> ml_collections.ConfigDict:
   # (1.0 at perfect balance) and the router z-loss (mean squared logsumexp of router logits).
   c.moe.aux_loss_coef = 0.01
   c.moe.router_z_loss_coef = 0.001
+  # DeepSeek-V3's sequence-wise balance loss (0: off; the paper uses 1e-4): the load-balancing
+  # loss per row of the batch (a packed row counts as one sequence) on the normalized router
+  # scores, averaged over rows and MoE layers.
+  c.moe.seq_aux_loss_coef = 0.0
+  # Auxiliary-loss-free balancing of routers with a correction bias (router_bias): after each
+  # optimizer step every bias moves by this much against its expert's load error in the step's
+  # batch (down when above the layer's mean load, up when below). 0: the biases stay as they
+  # are (also under LoRA, where they are part of the frozen base). The paper's 0.001.
+  c.moe.bias_update_rate = 0.001
   # The experts' grouped matmul: "ragged" (jax.lax.ragged_dot: the TPU compiler's grouped
   # kernel), "blocked" (a loop of GEMMs over expert-aligned row blocks: CPU, GPU), "auto".
   c.moe.grouped_matmul = "auto"

@@ -18,10 +18,8 @@ from jaxtrain.parallel.mesh import (DCN_AXES, MESH_AXES, MeshShape, check_divide
 from jaxtrain.config import (ATTENTION_IMPLS, DTYPES, LORA_TARGETS, OBJECTIVES, REMAT_POLICIES,
                              ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError, lora_targets)
 from jaxtrain.models import registry
-from jaxtrain.grouped_matmul import IMPLS as GROUPED_MATMUL_IMPLS
-from jaxtrain.models.config import (LAYER_TYPES, SLIDING, architecture_of, parse_layer_indices,
-                                    parse_layer_types)
-from jaxtrain.models.decoder import check_layer_kinds
+from jaxtrain.config_checks_moe import check_latent_attention, check_moe
+from jaxtrain.models.config import LAYER_TYPES, SLIDING, parse_layer_types
 
 
 def resolve_mesh_shape(config, num_devices: int) -> MeshShape:
@@ -110,66 +108,6 @@ def _check_family(config):
       raise ConfigError(f"lora.targets: {refused[0]!r} is not a projection model.family="
                         f"{family.name!r} can adapt; choose from "
                         f"{', '.join(family.lora_targets)}")
-
-
-def _check_moe(config, mesh: MeshShape):
-  """The moe group, and mesh.expert, against the model."""
-  moe, m = config.moe, config.model
-  if moe.num_experts < 0:
-    raise ConfigError(f"moe.num_experts={moe.num_experts}: must be >= 0 (0: a dense model)")
-  family = registry.get(m.family)
-  moe_families = ", ".join(n for n, f in registry.FAMILIES.items() if f.hf_experts)
-  if family.hf_experts and not moe.num_experts:
-    raise ConfigError(f"model.family={m.family!r}: a Mixture-of-Experts family needs "
-                      f"moe.num_experts > 0 (and moe.experts_per_token, moe.expert_mlp_dim)")
-  if moe.num_experts and not family.hf_experts:
-    raise ConfigError(f"model.family={m.family!r}: has no Mixture-of-Experts layers "
-                      f"(moe.num_experts={moe.num_experts}); use a family that has them: "
-                      f"{moe_families}")
-  if not moe.num_experts:
-    if mesh.expert > 1:
-      raise ConfigError(f"mesh.expert={mesh.expert}: the model has no MoE layers "
-                        f"(moe.num_experts=0) to split; use mesh.data or mesh.fsdp for these "
-                        f"devices")
-    return
-  if not 1 <= moe.experts_per_token <= moe.num_experts:
-    raise ConfigError(f"moe.experts_per_token={moe.experts_per_token}: must be between 1 and "
-                      f"moe.num_experts={moe.num_experts}")
-  if moe.expert_mlp_dim < 0:
-    raise ConfigError(f"moe.expert_mlp_dim={moe.expert_mlp_dim}: must be >= 0 (0: model."
-                      f"mlp_dim)")
-  if moe.capacity_factor < 0:
-    raise ConfigError(f"moe.capacity_factor={moe.capacity_factor}: must be >= 0 (0: dropless; "
-                      f"> 0: each expert takes at most that multiple of its even share)")
-  for key in ("aux_loss_coef", "router_z_loss_coef"):
-    if moe[key] < 0:
-      raise ConfigError(f"moe.{key}={moe[key]}: must be >= 0 (0: off)")
-  if moe.sparse_step < 1:
-    raise ConfigError(f"moe.sparse_step={moe.sparse_step}: must be >= 1 (1: every layer MoE)")
-  if moe.grouped_matmul not in GROUPED_MATMUL_IMPLS:
-    raise ConfigError(f"moe.grouped_matmul={moe.grouped_matmul!r}: choose one of "
-                      f"{', '.join(GROUPED_MATMUL_IMPLS)}")
-  try:
-    dense = parse_layer_indices(moe.dense_layers)
-  except ValueError:
-    raise ConfigError(f"moe.dense_layers={moe.dense_layers!r}: give comma-separated layer "
-                      f"indices, e.g. '0,1,2'") from None
-  if any(not 0 <= i < m.num_layers for i in dense):
-    raise ConfigError(f"moe.dense_layers={moe.dense_layers!r}: indices must be in 0.."
-                      f"{m.num_layers - 1} (model.num_layers={m.num_layers})")
-  arch = architecture_of(config)
-  if not any(arch.moe_layers()):
-    raise ConfigError(f"moe.dense_layers / moe.sparse_step leave no MoE layer of "
-                      f"model.num_layers={m.num_layers}; set moe.num_experts=0 for a dense model")
-  if m.scan_layers:
-    try:
-      check_layer_kinds(arch)
-    except ValueError as e:
-      raise ConfigError(f"moe.dense_layers={moe.dense_layers!r}: {e}") from None
-  if mesh.stage > 1:
-    raise ConfigError(f"mesh.stage={mesh.stage}: pipeline stages of MoE layers are not "
-                      f"supported yet (their router statistics would have to cross the "
-                      f"stages); use mesh.expert and mesh.fsdp for these devices")
 
 
 def _check_pipeline(config, mesh: MeshShape):
@@ -303,7 +241,8 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
   except ValueError as e:
     raise ConfigError(str(e)) from None
   _check_context(config, mesh)
-  _check_moe(config, mesh)
+  check_moe(config, mesh)
+  check_latent_attention(config)
   if mesh.context > 1 and config.model.sliding_window:
     raise ConfigError(f"model.sliding_window={config.model.sliding_window}: sliding-window "
                       f"attention under context parallelism (mesh.context={mesh.context}) is not "

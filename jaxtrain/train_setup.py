@@ -127,7 +127,8 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
                          grad_accum_steps=config.train.grad_accum_steps,
                          loss_chunk_size=config.train.loss_chunk_size,
                          param_shardings=param_shardings, objective=objective,
-                         dropout_seed=dropout_seed)
+                         dropout_seed=dropout_seed,
+                         bias_update_rate=_bias_update_rate(config, model_cfg))
   batch_shardings = objective.batch_shardings(config, mesh)
   train_step = jit_train_step(step, full_shardings, mesh, batch_shardings)
   eval_step = jit_eval_step(make_eval_step(graphdef, config.train.loss_chunk_size,
@@ -136,6 +137,14 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
   return Setup(mesh, model_cfg, graphdef, shardings, init_fn, state_from_params, train_step,
                eval_step, abstract_base, base_init_fn, make_frozen, objective,
                abstract_params=abstract_params, frozen_shardings=frozen_shardings)
+
+
+def _bias_update_rate(config, model_cfg: ModelConfig) -> float:
+  """moe.bias_update_rate where the routers' correction biases are trained weights; 0 under
+  LoRA, whose frozen base holds them."""
+  if not model_cfg.arch.router_bias or model_cfg.peft.lora_rank > 0:
+    return 0.0
+  return float(config.moe.bias_update_rate)
 
 
 def init_state(setup: Setup, seed: int) -> TrainState:

@@ -66,8 +66,13 @@ def router_terms(model, router_passes: list[dict], count, *, training: bool = Tr
     return 0.0, {}
   rt = model.cfg.runtime
   extra, metrics = moe.objective_terms(router_passes, rt.moe_aux_loss_coef, rt.moe_z_loss_coef,
-                                       rt.moe_capacity_factor > 0)
-  return (extra * count if training else 0.0), {k: v * count for k, v in metrics.items()}
+                                       rt.moe_capacity_factor > 0, rt.moe_seq_aux_loss_coef)
+  metrics = {k: v * count for k, v in metrics.items()}
+  if training and model.cfg.arch.router_bias:
+    # The bias balancing's input (make_train_step): only its sign per expert matters, so it
+    # may be summed over microbatches and divided by the count like the metrics.
+    metrics[moe.EXPERT_LOAD] = moe.expert_load(router_passes)
+  return (extra * count if training else 0.0), metrics
 
 
 def loss_sum_fn(params, graphdef, batch: Batch, loss_chunk_size: int, frozen=None,
@@ -185,11 +190,18 @@ def make_grad_fn(graphdef, *, grad_accum_steps: int = 1, loss_chunk_size: int = 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, *,
                     grad_accum_steps: int = 1, loss_chunk_size: int = 512,
                     param_shardings=None, objective: str = "lm", dpo_beta: float = 0.1,
-                    dropout_seed: int | None = None) -> Callable:
+                    dropout_seed: int | None = None,
+                    bias_update_rate: float = 0.0) -> Callable:
   """Returns the pure `train_step(state, batch) -> (state, metrics)`.
 
   `dropout_seed` (LoRA dropout): each step's key is the seed folded with the step number, so a
   resumed run draws the same masks as an uninterrupted one.
+
+  `bias_update_rate` (moe.bias_update_rate; DeepSeek's routers when their biases train): after
+  the update, each router bias moves against its experts' load error in this step's batch
+  (models/moe.balance_router_biases). The optimizer's own change to router biases (their
+  gradient is zero: they only choose experts; weight decay would shrink them) is always
+  discarded.
   """
   grad_fn = make_grad_fn(graphdef, grad_accum_steps=grad_accum_steps,
                          loss_chunk_size=loss_chunk_size, param_shardings=param_shardings,
@@ -200,6 +212,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     if dropout_seed is not None:
       key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
     loss, count, grads, aux = grad_fn(state.params, batch, state.frozen, key)
+    load_LX = aux.pop(moe.EXPERT_LOAD, None)
     grad_norm = optax.tree.norm(grads)
     # Optimizer state kept in host memory (optim.offload_state) is brought to the device for the
     # update, and the out_shardings send the new state back; for device-resident state this is a
@@ -207,6 +220,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     old_opt_state = jax.device_put(state.opt_state, jax.memory.Space.Device)
     updates, opt_state = tx.update(grads, old_opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    if load_LX is not None:  # a model with router biases: the optimizer's change undone
+      params = _with_router_biases_of(params, state.params)
+      if bias_update_rate > 0:
+        params = moe.balance_router_biases(params, load_LX, bias_update_rate)
     # A NaN/Inf loss or gradient skips the update (params and optimizer state unchanged) rather
     # than poisoning the weights; the trainer stops after too many in a row.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -226,6 +243,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                          bad_streak=bad_streak), metrics
 
   return train_step
+
+
+def _with_router_biases_of(params, old_params):
+  """`params` with the router biases of `old_params` (the optimizer's change to them undone)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, new, old: old if moe.is_router_bias(path) else new, params, old_params)
 
 
 def make_eval_step(graphdef, loss_chunk_size: int = 512, *, objective: str = "lm",

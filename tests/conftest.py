@@ -47,7 +47,13 @@ def shared_compilation_cache(tmp_path_factory):
   return cache
 
 
+def _start_order(item):
+  slow = item.get_closest_marker("slow")
+  return (slow is None, -(slow.kwargs.get("seconds", 0) if slow else 0))
+
+
 def pytest_collection_modifyitems(items):
-  """The longest tests (marked slow) start first, so that no minute-long test is left to run
-  alone on one worker at the end; otherwise collection order."""
-  items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+  """The longest tests (marked slow) start first, the longest of those (`slow(seconds=N)`, an
+  estimate on 2 cores) before the rest, so that no minute-long test is left to run alone on one
+  worker at the end (worksteal takes queued tests from the back); otherwise collection order."""
+  items.sort(key=_start_order)

@@ -23,7 +23,7 @@ def _run(config, workdir, *overrides):
   return proc.stdout, train, evals
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 def test_sft_then_lora_then_qlora_from_it(tmp_path):
   """Full SFT makes a base; sft_lora_tiny and qlora_tiny fine-tune it further (the held-out loss
   on completions drops below the base's), checkpointing only adapters; generation and export
@@ -69,7 +69,7 @@ def test_sft_then_lora_then_qlora_from_it(tmp_path):
                              atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 def test_dpo_reward_accuracy_rises_and_resume_is_exact(tmp_path):
   steps = ["--config.train.log_every=4", "--config.train.eval_every=12",
            "--config.optim.decay_steps=24", "--config.checkpoint.every_steps=12"]

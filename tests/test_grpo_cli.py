@@ -33,7 +33,7 @@ def _run(workdir, *extra):
   return proc
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 def test_killed_grpo_run_resumes_with_the_same_completions(tmp_path):
   proc = _run(tmp_path / "whole")
   assert "GRPO, epsilon 0.2" in proc.stdout and "reward " in proc.stdout

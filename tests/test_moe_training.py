@@ -122,7 +122,7 @@ def _run(config, workdir, *overrides):
           [r for r in records if "eval_loss" in r])
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 def test_lora_on_experts_qlora_and_dpo_fine_tune_an_moe_model(tmp_path):
   """An SFT'd MoE base; QLoRA, adapters on attention and on every expert's projections over its
   NF4-quantized experts, improves its held-out loss; the QLoRA run's export (adapters merged,

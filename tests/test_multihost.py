@@ -332,7 +332,7 @@ def _finish(proc, log_path, timeout=240):
   return out
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 def test_two_processes_resume_as_one_process_with_the_uninterrupted_losses(tmp_path):
   """2 processes x 4 CPU devices, mesh (2,2,2) with dcn_data=2 and the default data config,
   train 3 steps and checkpoint; 1 process x 8 devices resumes for 3 more; the losses, gradient

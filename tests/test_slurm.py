@@ -22,7 +22,7 @@ import pytest
 from tests import slurm_cluster
 from tests.helpers import REPO, SMALL_TINY_ARGS as SMALL, main_command, main_env
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(seconds=60)
 
 STEPS = 16
 MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]

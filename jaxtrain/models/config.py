@@ -135,6 +135,7 @@ class Runtime:
   moe_grouped_matmul: str = "auto"
   moe_aux_loss_coef: float = 0.0
   moe_z_loss_coef: float = 0.0
+  moe_seq_aux_loss_coef: float = 0.0
   # What the model compiles for ("cpu", "gpu", "tpu"): it picks the attention kernel's route.
   # The mesh's devices decide it (train_setup.build), not the process's default backend, so a
   # CPU process compiles the GPU or TPU program for a deviceless target.
@@ -231,7 +232,8 @@ class ModelConfig:
                       moe_capacity_factor=float(moe.capacity_factor),
                       moe_grouped_matmul=moe.grouped_matmul,
                       moe_aux_loss_coef=float(moe.aux_loss_coef),
-                      moe_z_loss_coef=float(moe.router_z_loss_coef))
+                      moe_z_loss_coef=float(moe.router_z_loss_coef),
+                      moe_seq_aux_loss_coef=float(moe.get("seq_aux_loss_coef", 0.0)))
     parallel = Parallelism(context_parallel=a.context_parallel,
                            context_load_balance=bool(a.load_balance),
                            pipeline_microbatches=p.microbatches, pipeline_repeats=p.repeats,

@@ -35,8 +35,11 @@ import jax.numpy as jnp
 
 from jaxtrain.grouped_matmul import grouped_matmul
 from jaxtrain.parallel import expert_parallel
+from jaxtrain.parallel.expert_parallel import Sequences
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Routing:
   """What the MoE computation needs besides the weights (hashable: a static module attribute)."""
@@ -53,6 +56,8 @@ class Routing:
   n_group: int = 1
   topk_group: int = 1
   scaling_factor: float = 1.0
+  # DeepSeek-V3's sequence-wise balance statistics (moe.seq_aux_loss_coef > 0).
+  sequence_balance: bool = False
 
 
 # The experts' weights travel as a dict: "gate", "up" [X, D, F] and "down" [X, F, D], and for
@@ -174,9 +179,11 @@ def capacity_slots(expert_A, group_sizes_X, cap: int):
   return slot_A, slot_A < cap
 
 
-def router_stats(logits_NX, probs_NX, experts_NK, mask_N, dropped_A, psum):
+def router_stats(logits_NX, probs_NX, experts_NK, mask_N, dropped_A, psum,
+                 sequences: Sequences | None = None):
   """The layer's statistics over the non-padding tokens; `psum` sums over the devices that
-  hold other tokens (identity on one device)."""
+  hold other tokens (identity on one device). With `sequences`, also the sequence-wise balance
+  loss's sum over the batch's rows and their count (`sequence_balance`)."""
   n, x = probs_NX.shape
   k = experts_NK.shape[1]
   mask_N = mask_N.astype(jnp.float32)
@@ -189,7 +196,7 @@ def router_stats(logits_NX, probs_NX, experts_NK, mask_N, dropped_A, psum):
       jnp.sum(dropped_A.reshape(k, n).astype(jnp.float32) * mask_N[None, :])))
   tokens = jnp.maximum(tokens, 1.0)
   assignments = tokens * k
-  return {
+  stats = {
       "aux_loss": x * jnp.sum((load_X / assignments) * (prob_sum_X / tokens)),
       "z_loss": z_sum / tokens,
       "max_load": jnp.max(load_X) / jnp.maximum(jnp.mean(load_X), 1e-9),
@@ -197,6 +204,29 @@ def router_stats(logits_NX, probs_NX, experts_NK, mask_N, dropped_A, psum):
       "assignments": assignments,
       "expert_load": load_X,
   }
+  if sequences is not None:
+    loss_sum, rows = sequence_balance(probs_NX, one_hot_NKX, mask_N, sequences)
+    # Every device holding part of a row computed its whole-row term: count it once.
+    stats["seq_aux_sum"], stats["sequences"] = jax.tree.map(
+        lambda v: v / sequences.shards, psum((loss_sum, rows)))
+  return stats
+
+
+def sequence_balance(probs_NX, one_hot_NKX, mask_N, sequences: Sequences):
+  """(sum over this device's rows of the sequence-wise balance loss, rows with tokens): per row
+  (a packed row counts as one sequence), X/k * sum_e f_e * P_e with f_e the count of the row's
+  assignments to expert e over its tokens and P_e the mean of e's normalized score over them
+  (DeepSeek-V3's L_Bal, before its coefficient)."""
+  _, x = probs_NX.shape
+  k = one_hot_NKX.shape[1]
+  mask_bT = mask_N.reshape(sequences.rows, -1)
+  counts_bX, score_bX, tokens_b = sequences.psum((
+      jnp.einsum("bTKX,bT->bX", one_hot_NKX.reshape(sequences.rows, -1, k, x), mask_bT),
+      jnp.einsum("bTX,bT->bX", probs_NX.reshape(sequences.rows, -1, x), mask_bT),
+      jnp.sum(mask_bT, axis=-1)))
+  per_token_b = 1.0 / jnp.maximum(tokens_b, 1.0)
+  loss_b = (x / k) * jnp.sum(counts_bX * score_bX, axis=-1) * jnp.square(per_token_b)
+  return jnp.sum(loss_b), jnp.sum((tokens_b > 0).astype(jnp.float32))
 
 
 def local_experts(experts: dict, routing: Routing, tokens: int):
@@ -215,19 +245,21 @@ def local_experts(experts: dict, routing: Routing, tokens: int):
   return run
 
 
-def moe_ffn(x_ND, mask_N, router: dict, run, routing: Routing, *, psum=lambda t: t):
+def moe_ffn(x_ND, mask_N, router: dict, run, routing: Routing, *, psum=lambda t: t,
+            sequences: Sequences = Sequences()):
   """One device's N tokens through the MoE block: (out_ND in float32, statistics).
 
   `run(x_AD, expert_A, group_sizes_X) -> (y_AD, dropped_A)` takes the assignments, sorted by
   expert, through their experts (`local_experts`, or `exchanging_experts`); `psum` sums the
-  statistics over the devices holding other tokens."""
+  statistics over the devices holding other tokens; `sequences`: how the tokens form rows."""
   logits_NX = jnp.dot(x_ND.astype(jnp.float32), router["weight"].astype(jnp.float32))
   probs_NX, weights_NK, experts_NK = route(logits_NX, routing, router.get("bias"))
   order_A, token_A, expert_A, group_sizes_X = sort_by_expert(experts_NK, routing.num_experts)
   y_AD, dropped_sorted_A = run(x_ND[token_A], expert_A, group_sizes_X)
   out_ND = unsort_and_combine(y_AD, order_A, weights_NK)
   dropped_A = dropped_sorted_A[inverse_permutation(order_A)]
-  return out_ND, router_stats(logits_NX, probs_NX, experts_NK, mask_N, dropped_A, psum)
+  return out_ND, router_stats(logits_NX, probs_NX, experts_NK, mask_N, dropped_A, psum,
+                              sequences if routing.sequence_balance else None)
 
 
 def exchanging_experts(experts: dict, routing: Routing, tokens: int, shards: int):
@@ -285,18 +317,18 @@ def moe_layer(x_BTD, mask_BT, router: dict, experts: dict, routing: Routing):
   WEIGHT_NAMES) in the compute dtype. Under a mesh each device routes its own tokens
   (parallel/expert_parallel.over_token_shards), exchanging them with the devices that hold
   their experts when mesh.expert > 1."""
-  def body(x_ND, mask_N, router, experts, psum, shards):
+  def body(x_ND, mask_N, router, experts, psum, shards, sequences):
     n = x_ND.shape[0]
     if shards == 1:
       run = local_experts(experts, routing, n)
     else:
       run = exchanging_experts(experts, routing, n, shards)
-    return moe_ffn(x_ND, mask_N, router, run, routing, psum=psum)
+    return moe_ffn(x_ND, mask_N, router, run, routing, psum=psum, sequences=sequences)
 
   if jax.sharding.get_abstract_mesh().empty:
     b, t, d = x_BTD.shape
     out_ND, stats = body(x_BTD.reshape(b * t, d), mask_BT.reshape(b * t), router, experts,
-                         lambda tree: tree, 1)
+                         lambda tree: tree, 1, Sequences(rows=b))
     return out_ND.reshape(b, t, d).astype(x_BTD.dtype), stats
   return expert_parallel.over_token_shards(body, x_BTD, mask_BT, router, experts,
                                            {k: WEIGHT_NAMES[k] for k in experts})
@@ -338,19 +370,64 @@ def report_router_stats(stats: dict) -> None:
 
 
 # What the objectives report per step from the router statistics (train_step; metrics.jsonl).
-METRIC_NAMES = ("moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_dropped_fraction")
+METRIC_NAMES = ("moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_dropped_fraction",
+                "moe_seq_aux_loss")
+# The training objectives hand each MoE layer's expert loads [L_moe, X] to the train step under
+# this key, for the bias balancing (`balance_router_biases`); the step takes it out of the
+# metrics before they are logged.
+EXPERT_LOAD = "moe_expert_load"
 
 
 def objective_terms(passes: list[dict], aux_loss_coef: float, z_loss_coef: float,
-                    capacity_mode: bool):
+                    capacity_mode: bool, seq_aux_loss_coef: float = 0.0):
   """(what the router adds to the loss, {metric: value}) from the MoE layers' statistics of
-  the collected forward passes (each stacked [L_moe, ...]): the aux and z losses averaged over
-  the layers and weighted; the busiest expert's load over the mean, the maximum over layers;
-  in capacity mode the share of assignments dropped."""
+  the collected forward passes (each stacked [L_moe, ...]): the aux, z and (when collected)
+  sequence-wise balance losses averaged over the layers and weighted; the busiest expert's load
+  over the mean, the maximum over layers; in capacity mode the share of assignments dropped."""
   stats = jax.tree.map(lambda *s: jnp.concatenate(s), *passes)
   aux, z = jnp.mean(stats["aux_loss"]), jnp.mean(stats["z_loss"])
   metrics = {"moe_aux_loss": aux, "moe_z_loss": z, "moe_max_load": jnp.max(stats["max_load"])}
+  extra = aux_loss_coef * aux + z_loss_coef * z
   if capacity_mode:
     metrics["moe_dropped_fraction"] = (jnp.sum(stats["dropped"])
                                        / jnp.maximum(jnp.sum(stats["assignments"]), 1.0))
-  return aux_loss_coef * aux + z_loss_coef * z, metrics
+  if "seq_aux_sum" in stats:
+    seq = jnp.mean(stats["seq_aux_sum"] / jnp.maximum(stats["sequences"], 1.0))
+    metrics["moe_seq_aux_loss"] = seq
+    extra = extra + seq_aux_loss_coef * seq
+  return extra, metrics
+
+
+def expert_load(passes: list[dict]) -> jax.Array:
+  """Assignments per expert of each MoE layer [L_moe, X], summed over the collected passes."""
+  return sum(p["expert_load"] for p in passes)
+
+
+def is_router_bias(path) -> bool:
+  """Whether a params tree path (jax.tree_util's) leads to a router correction bias."""
+  return any(getattr(k, "key", getattr(k, "name", None)) == "router_bias_X" for k in path)
+
+
+def balance_router_biases(params, load_LX: jax.Array, rate: float):
+  """`params` with each MoE layer's router correction bias (DeepSeek-V3's auxiliary-loss-free
+  balancing) moved by `rate` against its expert's load error: down for experts that took more
+  than the layer's mean load, up for those that took less (sign only, as in the paper).
+
+  The bias leaves are found by name (`router_bias_X`) in tree order, which is layer order (a
+  scanned stack [L, X], or one [X] per listed layer), matching the statistics' rows."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  is_bias = [is_router_bias(path) for path, _ in leaves]
+  rows = sum(leaf.shape[0] if leaf.ndim == 2 else 1
+             for (_, leaf), bias in zip(leaves, is_bias) if bias)
+  if rows != load_LX.shape[0]:
+    raise ValueError(f"{rows} router bias rows for {load_LX.shape[0]} MoE layers' loads")
+  error_LX = jnp.mean(load_LX, axis=-1, keepdims=True) - load_LX
+  step_LX = rate * jnp.sign(error_LX)
+  out, row = [], 0
+  for (_, leaf), bias in zip(leaves, is_bias):
+    if bias:
+      n = leaf.shape[0] if leaf.ndim == 2 else 1
+      leaf = leaf + step_LX[row:row + n].reshape(leaf.shape).astype(leaf.dtype)
+      row += n
+    out.append(leaf)
+  return jax.tree_util.tree_unflatten(treedef, out)

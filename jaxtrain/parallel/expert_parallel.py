@@ -24,6 +24,7 @@ other tokens, so they are the whole batch's on every device.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -34,6 +35,16 @@ from jaxtrain.parallel.mesh import BATCH_AXES, axis_size, gathered_spec
 EXPERT_AXIS = "expert"
 
 
+@dataclasses.dataclass(frozen=True)
+class Sequences:
+  """How a device's N tokens form rows of the batch, for the router's sequence-wise statistics
+  (models/moe.sequence_balance): `rows` rows of N/rows tokens each; `psum` sums over the
+  devices holding the rest of the same rows (the `context` axis), `shards` of them."""
+  rows: int = 1
+  psum: Callable = lambda tree: tree
+  shards: int = 1
+
+
 def all_to_all(x):
   """Block i of the leading axis goes to expert-shard i; blocks received stack in source order."""
   return jax.lax.all_to_all(x, EXPERT_AXIS, split_axis=0, concat_axis=0, tiled=True)
@@ -41,22 +52,28 @@ def all_to_all(x):
 
 def over_token_shards(body: Callable, x_BTD, mask_BT, router: dict, experts: dict,
                       expert_names: dict):
-  """`body(x_ND, mask_N, router, experts, psum, expert_shards)` on each device's tokens
+  """`body(x_ND, mask_N, router, experts, psum, expert_shards, sequences)` on each device's
+  tokens
   under the current mesh, inside shard_map: x_ND and mask_N this device's tokens (flattened),
   the router's arrays whole, `experts` ({name: array}, logical axes in `expert_names`) this device's
   slices: split over `expert` and over `tensor` where their names say so, FSDP's shards
   gathered on the way in (mesh.gathered_spec). `psum(tree)` sums over the devices holding
-  other tokens; `expert_shards` is E. `body` returns (out_ND float32, statistics); the partial
+  other tokens; `expert_shards` is E; `sequences` (models/moe.Sequences): this device's rows
+  and the sum over the `context` devices that hold the rest of them. `body` returns (out_ND float32, statistics); the partial
   outputs of the tensor shards are summed here. Returns (out_BTD in x's dtype, statistics)."""
   b, t, d = x_BTD.shape
   mesh = jax.sharding.get_abstract_mesh()
   token_axes = tuple(a for a in BATCH_AXES + ("context",) if a in mesh.axis_names)
   shards = axis_size(EXPERT_AXIS, mesh)
+  context = axis_size("context", mesh)
 
   def per_device(x_btD, mask_bt, router, experts):
     bl, tl, _ = x_btD.shape
+    sequences = Sequences(rows=bl, shards=context, psum=(
+        (lambda tree: jax.lax.psum(tree, "context")) if context > 1 else (lambda tree: tree)))
     out_ND, stats = body(x_btD.reshape(bl * tl, d), mask_bt.reshape(bl * tl), router,
-                         experts, lambda tree: jax.lax.psum(tree, token_axes), shards)
+                         experts, lambda tree: jax.lax.psum(tree, token_axes), shards,
+                         sequences)
     out_ND = jax.lax.psum(out_ND, "tensor")  # each tensor shard computed its F slice
     return out_ND.reshape(bl, tl, d).astype(x_btD.dtype), stats
 

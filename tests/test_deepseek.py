@@ -1,0 +1,132 @@
+"""DeepSeek-V3's router and its balancing (models/moe.py; configs/deepseek_tiny.py): the
+correction biases move against the load after each step and are never changed by the
+optimizer; the sequence-wise balance loss equals a per-row reference on any mesh; expert
+parallelism equals one device with both on; bad settings are one-line errors."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrain import train_setup, trainer
+from jaxtrain.config import load_config_file
+from jaxtrain.models import moe
+from jaxtrain.parallel.expert_parallel import Sequences
+from tests.helpers import (REPO, assert_curves_close, assert_one_line_config_error, mesh_of,
+                           packed_batch, train_curves)
+
+DEEPSEEK_TINY = os.path.join(REPO, "configs", "deepseek_tiny.py")
+
+
+def _deepseek_tiny(**mesh):
+  c = load_config_file(DEEPSEEK_TINY)
+  c.train.seq_len, c.train.global_batch_size, c.train.loss_chunk_size = 64, 8, 64
+  c.model.max_position_embeddings = 64
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 1, 1
+  for axis, size in mesh.items():
+    setattr(c.mesh, axis, size)
+  return c
+
+
+def test_biases_move_against_each_layers_load_error():
+  params = {"layers": {"mlp": {"router_bias_X": jnp.zeros((2, 4)), "router_DX": jnp.ones(3)}}}
+  load_LX = jnp.array([[5.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+  out = moe.balance_router_biases(params, load_LX, 0.01)
+  # Layer 0: expert 0 took more than the mean (2) and goes down, the others up; layer 1 is
+  # balanced and stays.
+  np.testing.assert_array_equal(out["layers"]["mlp"]["router_bias_X"],
+                                np.float32([[-0.01, 0.01, 0.01, 0.01], [0, 0, 0, 0]]))
+  np.testing.assert_array_equal(out["layers"]["mlp"]["router_DX"], np.ones(3))
+  with pytest.raises(ValueError, match="2 router bias rows for 3"):
+    moe.balance_router_biases(params, jnp.ones((3, 4)), 0.01)
+
+
+def _biases(state):
+  return [np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)
+          if moe.is_router_bias(path)]
+
+
+@pytest.mark.parametrize("rate", [0.0, 1e-3])
+def test_train_steps_move_the_biases_by_the_rate_and_the_optimizer_never(rate):
+  """Biases set to 0.5: with rate 0 they stay exactly (AdamW's weight decay would shrink them);
+  with a rate, each step moves each by exactly -rate, 0 or +rate."""
+  c = _deepseek_tiny()
+  c.moe.bias_update_rate = rate
+  setup = train_setup.build(c, mesh_of({}))
+  state = train_setup.init_state(setup, seed=0)
+  state = state.replace(params=jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.full_like(x, 0.5) if moe.is_router_bias(path) else x, state.params))
+  with jax.set_mesh(setup.mesh):
+    for step in range(2):
+      before = _biases(state)
+      batch = packed_batch(8, 64, c.model.vocab_size, seed=step)
+      state, metrics = setup.train_step(state, trainer.to_global_batch(batch, setup.mesh))
+      assert moe.EXPERT_LOAD not in metrics and metrics["moe_seq_aux_loss"] > 0
+      (after,) = _biases(state)
+      assert after.shape == (3, 8)  # the three MoE layers' stack
+      moved = np.round((after - before[0]) / max(rate, 1e-9))
+      np.testing.assert_allclose(after - before[0], moved * rate, atol=1e-7)
+      assert set(np.unique(moved)) <= {-1.0, 0.0, 1.0}
+      if rate:
+        assert np.any(moved == -1) and np.any(moved == 1)
+      else:
+        np.testing.assert_array_equal(after, 0.5)
+
+
+def test_sequence_wise_balance_loss_equals_a_per_row_reference():
+  rng = np.random.default_rng(0)
+  rows, t, x, k = 3, 5, 8, 2
+  logits_NX = jnp.asarray(rng.normal(size=(rows * t, x)), jnp.float32)
+  routing = moe.Routing(num_experts=x, top_k=k, norm_topk_prob=True, capacity_factor=0.0,
+                        activation="silu", matmul_impl="blocked", dtype="float32",
+                        score="sigmoid", n_group=2, topk_group=1, sequence_balance=True)
+  probs_NX, _, experts_NK = moe.route(logits_NX, routing)
+  mask_N = jnp.asarray(rng.random(rows * t) > 0.2)
+  stats = moe.router_stats(logits_NX, probs_NX, experts_NK, mask_N, jnp.zeros(rows * t * k, bool),
+                           lambda tree: tree, Sequences(rows=rows))
+  want = []
+  for r in range(rows):
+    keep = np.asarray(mask_N).reshape(rows, t)[r]
+    chosen = np.asarray(experts_NK).reshape(rows, t, k)[r][keep]
+    scores = np.asarray(probs_NX).reshape(rows, t, x)[r][keep]
+    f = x / (k * keep.sum()) * np.bincount(chosen.ravel(), minlength=x)
+    want.append(np.sum(f * scores.mean(axis=0)))
+  assert float(stats["sequences"]) == rows
+  np.testing.assert_allclose(float(stats["seq_aux_sum"]) / rows, np.mean(want), rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def one_device_curves():
+  return train_curves(_deepseek_tiny(), {}, steps=20)
+
+
+@pytest.mark.slow
+def test_expert_parallel_training_equals_one_device_for_20_steps(one_device_curves):
+  """Biases balancing and the sequence-wise loss on: float32 losses and gradient norms within
+  1e-5 of one device's at each of 20 steps, the experts split 4 ways."""
+  mesh = dict(expert=4, fsdp=2)
+  assert_curves_close(train_curves(_deepseek_tiny(**mesh), mesh, steps=20), one_device_curves,
+                      rtol=1e-5)
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"moe.n_group": 3}, ["moe.n_group=3", "moe.num_experts=8"]),
+    ({"moe.topk_group": 5}, ["moe.topk_group=5", "moe.n_group=4"]),
+    ({"moe.n_group": 8, "moe.topk_group": 1}, ["moe.experts_per_token=2", "raise moe.topk_group"]),
+    ({"moe.bias_update_rate": -0.1}, ["moe.bias_update_rate=-0.1", ">= 0"]),
+    ({"moe.seq_aux_loss_coef": -1.0}, ["moe.seq_aux_loss_coef=-1.0", ">= 0"]),
+    ({"moe.router_score": "tanh"}, ["moe.router_score='tanh'", "sigmoid"]),
+    ({"model.qk_rope_head_dim": 32}, ["model.qk_rope_head_dim=32", "model.head_dim=32"]),
+    ({"model.v_head_dim": 64}, ["model.v_head_dim=64", "model.head_dim=32"]),
+    ({"model.num_kv_heads": 2}, ["model.num_kv_heads=2", "model.num_heads=4"]),
+    ({"model.sliding_window": 16}, ["model.sliding_window=16", "latent attention"]),
+    ({"model.kv_lora_rank": 0}, ["model.q_lora_rank=48", "model.kv_lora_rank=0"]),
+])
+def test_bad_deepseek_settings_are_one_line_errors(changes, words):
+  c = _deepseek_tiny()
+  for key, value in changes.items():
+    group, name = key.split(".")
+    setattr(c[group], name, value)
+  assert_one_line_config_error(c, 1, words)
