@@ -6,8 +6,13 @@ key/value latent, a 48-wide query bottleneck); the first layer dense, the other 
 of 8 experts of width 96 in 4 groups (the best 2 groups eligible per token), 2 chosen per token
 by sigmoid scores plus the correction bias, weights renormalized and scaled by 2.5, beside one
 shared expert. Balancing as the paper does it: no Switch aux loss, the correction biases moved
-by bias_update_rate after every step, the sequence-wise balance loss at a small weight.
-No download; trains on the Python standard library's bytes like tiny.py.
+after every step, the sequence-wise balance loss at a small weight. The paper's bias step of
+0.001 is for trillions of tokens; over this 200-step run it moves a bias by 0.2 at most and the
+busiest expert still takes 3.81x the mean load at the end (3.94x with no balancing), so the
+demo steps 0.01: 2.81x at step 20, 1.32x at step 200 (eval 1.22x). Eval losses at step 200:
+2.1996 (0.01), 2.1688 (0.001), 2.2119 (no balancing); on a model this small, balance is about
+using the experts evenly (what expert parallelism needs), not about the loss. No download;
+trains on the Python standard library's bytes like tiny.py (about 2 minutes on 2 cores).
 
 Expert parallelism on emulated devices (the experts split 4 ways, the batch 2 ways):
 
@@ -47,5 +52,5 @@ def get_config():
   c.moe.aux_loss_coef = 0.0
   c.moe.router_z_loss_coef = 0.0
   c.moe.seq_aux_loss_coef = 1e-4
-  c.moe.bias_update_rate = 1e-3
+  c.moe.bias_update_rate = 1e-2
   return c

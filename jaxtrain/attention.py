@@ -35,15 +35,30 @@ IMPLS = ("xla", "pallas", "cudnn", "auto")
 _CONTEXT_WINDOW_ERROR = ("sliding-window attention (model.sliding_window) under context "
                          "parallelism (mesh.context > 1) is not supported; use mesh.context=1")
 _AUTO = {"gpu": "cudnn", "tpu": "pallas"}
+# cuDNN's fused (flash) attention takes query/key head dims up to 128, in multiples of 8.
+CUDNN_MAX_HEAD_DIM = 128
 
 
-def resolve_impl(impl: str, platform: str | None = None, interpret: bool = False) -> str:
+def cudnn_takes(head_dim: int) -> bool:
+  return head_dim <= CUDNN_MAX_HEAD_DIM and head_dim % 8 == 0
+
+
+def resolve_impl(impl: str, platform: str | None = None, interpret: bool = False,
+                 head_dim: int | None = None) -> str:
   """Maps `auto` to the best implementation for `platform` (what the program compiles for:
-  "cpu", "gpu", "tpu"; default: the current mesh's devices, else this process's backend);
+  "cpu", "gpu", "tpu"; default: the current mesh's devices, else this process's backend) and
+  `head_dim` (the queries'; on GPU, head dims cuDNN does not take get our Pallas kernels);
   refuses ones it lacks."""
   platform = platform or current_platform()
   if impl == "auto":
-    return _AUTO.get(platform, "xla")
+    best = _AUTO.get(platform, "xla")
+    if best == "cudnn" and head_dim is not None and not cudnn_takes(head_dim):
+      return "pallas"
+    return best
+  if impl == "cudnn" and head_dim is not None and not cudnn_takes(head_dim):
+    raise ValueError(f"attention impl 'cudnn': cuDNN's fused attention takes head dims up to "
+                     f"{CUDNN_MAX_HEAD_DIM} in multiples of 8, not {head_dim}; use 'pallas' or "
+                     f"'auto'")
   if impl == "blockwise":
     return impl
   if impl not in IMPLS:
@@ -56,6 +71,14 @@ def resolve_impl(impl: str, platform: str | None = None, interpret: bool = False
                      f"set attention.interpret=True to run the kernels in the Pallas interpreter "
                      f"(slow, for tests), or use 'xla'")
   return impl
+
+
+def kernel_head_dim(impl: str, platform: str, interpret: bool, head_dim: int) -> int:
+  """The head dim `impl` computes `head_dim` at: our GPU (Triton) kernels take powers of two
+  from 16, so others are padded up to the next one; the rest take it as it is."""
+  if impl == "pallas" and platform == "gpu" and not interpret:
+    return max(16, 1 << (head_dim - 1).bit_length())
+  return head_dim
 
 
 def attention_mask(segment_ids_BT: jax.Array | None, t: int, s: int, causal: bool = True,
@@ -217,19 +240,23 @@ def attention(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT=None, *, impl="xla", causal
   """
   check_window(window, causal)
   platform = platform or current_platform()
-  impl = resolve_impl(impl, platform, interpret=interpret)
+  impl = resolve_impl(impl, platform, interpret=interpret, head_dim=q_BTHE.shape[-1])
   impl = impl_under_stages(impl, stage_count())
   e, ev = q_BTHE.shape[-1], v_BSKE.shape[-1]
-  if ev != e and (impl != "xla" or context_size() > 1):
-    # Values with a head dim of their own (MLA: 128 against the queries' 192): the kernels
-    # take one head dim, so the values are zero-padded to it and the output cut back, which
-    # is exact (the padded columns of the output are zero) for a larger P @ V.
-    pad = [(0, 0)] * 3 + [(0, e - ev)]
-    out_BTHE = attention(q_BTHE, k_BSKE, jnp.pad(v_BSKE, pad), segment_ids_BT, impl=impl,
-                         causal=causal, sm_scale=sm_scale, platform=platform,
-                         interpret=interpret, block_q=block_q, block_k=block_k,
-                         context_parallel=context_parallel, load_balance=load_balance,
-                         window=window)
+  ek = kernel_head_dim(impl, platform, interpret, e)
+  if (ev != e or ek != e) and (impl != "xla" or context_size() > 1):
+    # Values with a head dim of their own (MLA: 128 against the queries' 192), or a head dim
+    # the kernels do not take (the Triton kernels' powers of two: MLA's 192 runs as 256): the
+    # kernels take one head dim, so queries, keys and values are zero-padded to it and the
+    # output cut back. Exact: the padded dims add 0 to every score and their output columns
+    # are 0; the softmax scale stays the unpadded head dim's.
+    pad_qk, pad_v = [(0, 0)] * 3 + [(0, ek - e)], [(0, 0)] * 3 + [(0, ek - ev)]
+    out_BTHE = attention(jnp.pad(q_BTHE, pad_qk), jnp.pad(k_BSKE, pad_qk),
+                         jnp.pad(v_BSKE, pad_v), segment_ids_BT, impl=impl, causal=causal,
+                         sm_scale=e ** -0.5 if sm_scale is None else sm_scale,
+                         platform=platform, interpret=interpret, block_q=block_q,
+                         block_k=block_k, context_parallel=context_parallel,
+                         load_balance=load_balance, window=window)
     return out_BTHE[..., :ev]
   if context_size() > 1:
     if window is not None:

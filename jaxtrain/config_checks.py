@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 
+from jaxtrain.attention import CUDNN_MAX_HEAD_DIM, cudnn_takes
 from jaxtrain.dryrun import targets
 from jaxtrain.parallel.context_parallel import STRATEGIES as CONTEXT_STRATEGIES
 from jaxtrain import objectives
@@ -36,6 +37,12 @@ def _check_cudnn_lengths(config, platform: str):
   impl = config.attention.impl
   if platform != "gpu" or impl not in ("cudnn", "auto"):
     return
+  if not cudnn_takes(config.model.head_dim):
+    if impl == "cudnn":
+      raise ConfigError(f"attention.impl='cudnn': cuDNN's fused attention takes head dims up to "
+                        f"{CUDNN_MAX_HEAD_DIM} in multiples of 8, not model.head_dim="
+                        f"{config.model.head_dim}; use attention.impl='pallas' or 'auto'")
+    return  # auto: our Pallas kernels
   t = config.train
   objective = objectives.get(config)
   length = objective.row_length(t.seq_len)
@@ -418,14 +425,14 @@ def _largest_divisor(value: int, limit: int) -> int:
 
 
 def _check_yarn(rs) -> None:
-  """YaRN's fields (models/rope.py): a positive factor and original length, beta_fast above
-  beta_slow above 0, mscales >= 0."""
+  """YaRN's fields (models/rope.py): a positive factor and original length, beta_fast at or
+  above beta_slow above 0 (equal: a ramp of one dim, as Kimi K2 has), mscales >= 0."""
   if rs.factor <= 0 or rs.original_max_position_embeddings <= 0:
     raise ConfigError(f"model.rope_scaling.factor={rs.factor}, original_max_position_embeddings="
                       f"{rs.original_max_position_embeddings}: yarn needs both positive")
-  if not 0 < rs.beta_slow < rs.beta_fast:
+  if not 0 < rs.beta_slow <= rs.beta_fast:
     raise ConfigError(f"model.rope_scaling.beta_fast={rs.beta_fast}, beta_slow={rs.beta_slow}: "
-                      f"yarn needs beta_fast > beta_slow > 0 (rotations over the original "
+                      f"yarn needs beta_fast >= beta_slow > 0 (rotations over the original "
                       f"context; DeepSeek-V3: 32 and 1)")
   for key in ("mscale", "mscale_all_dim"):
     if rs[key] < 0:

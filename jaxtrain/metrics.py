@@ -54,9 +54,29 @@ def moe_row(model_cfg, expert_shards: int) -> tuple[str, str] | None:
   where = (f"; experts split over {expert_shards} devices (mesh.expert)" if expert_shards > 1
            else "")
   return ("moe", f"{a.num_experts} experts (F={a.expert_dim}), top {a.experts_per_token} on "
-                 f"{sum(a.moe_layers())} of {a.num_layers} layers; parameters "
-                 f"{format_count(total)} total, {format_count(active)} active "
+                 f"{sum(a.moe_layers())} of {a.num_layers} layers{_deepseek_routing(model_cfg)}"
+                 f"; parameters {format_count(total)} total, {format_count(active)} active "
                  f"({100 * active / total:.1f}%); {dispatch}{where}")
+
+
+def _deepseek_routing(model_cfg) -> str:
+  """DeepSeek's router in words (sigmoid scores, groups, scale, shared experts, balancing)."""
+  a, rt = model_cfg.arch, model_cfg.runtime
+  parts = []
+  if a.router_score == "sigmoid":
+    parts.append("sigmoid scores")
+  if a.n_group > 1:
+    parts.append(f"within the best {a.topk_group} of {a.n_group} groups")
+  if a.routed_scaling_factor != 1.0:
+    parts.append(f"weights x{a.routed_scaling_factor:g}")
+  if a.num_shared_experts:
+    parts.append(f"{a.num_shared_experts} shared")
+  if a.router_bias:
+    rate = rt.moe_bias_update_rate if model_cfg.peft.lora_rank == 0 else 0.0
+    parts.append(f"bias balancing at {rate:g}" if rate > 0 else "router biases fixed")
+  if rt.moe_seq_aux_loss_coef > 0:
+    parts.append(f"sequence balance loss x{rt.moe_seq_aux_loss_coef:g}")
+  return f" ({', '.join(parts)})" if parts else ""
 
 
 def flops_per_token(arch, seq_len: int) -> float:

@@ -128,7 +128,7 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
                          loss_chunk_size=config.train.loss_chunk_size,
                          param_shardings=param_shardings, objective=objective,
                          dropout_seed=dropout_seed,
-                         bias_update_rate=_bias_update_rate(config, model_cfg))
+                         bias_update_rate=_bias_update_rate(model_cfg))
   batch_shardings = objective.batch_shardings(config, mesh)
   train_step = jit_train_step(step, full_shardings, mesh, batch_shardings)
   eval_step = jit_eval_step(make_eval_step(graphdef, config.train.loss_chunk_size,
@@ -139,12 +139,12 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
                abstract_params=abstract_params, frozen_shardings=frozen_shardings)
 
 
-def _bias_update_rate(config, model_cfg: ModelConfig) -> float:
+def _bias_update_rate(model_cfg: ModelConfig) -> float:
   """moe.bias_update_rate where the routers' correction biases are trained weights; 0 under
   LoRA, whose frozen base holds them."""
   if not model_cfg.arch.router_bias or model_cfg.peft.lora_rank > 0:
     return 0.0
-  return float(config.moe.bias_update_rate)
+  return model_cfg.runtime.moe_bias_update_rate
 
 
 def init_state(setup: Setup, seed: int) -> TrainState:

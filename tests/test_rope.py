@@ -186,7 +186,7 @@ def test_yarn_from_run_config_and_its_errors():
   config.model.rope_scaling.update(YARN_SCALING)
   scaling = ModelConfig.from_config(config).arch.rope_scaling
   assert dict(scaling) == YARN_SCALING
-  for key, value, words in (("beta_slow", 40.0, ["beta_slow=40.0", "beta_fast > beta_slow > 0"]),
+  for key, value, words in (("beta_slow", 40.0, ["beta_slow=40.0", "beta_fast >= beta_slow > 0"]),
                             ("factor", 0.0, ["factor=0.0", "yarn needs both positive"]),
                             ("mscale", -1.0, ["mscale=-1.0", "must be >= 0"])):
     bad = config_lib.default_config()

@@ -15,7 +15,8 @@ SIZED_FOR_ACCELERATORS = ("llama3_1b", "llama3_3b", "llama8b", "llama70b", "llam
                           "sft_lora_llama8b", "dpo_llama8b", "qlora_llama8b", "llama8b_128k",
                           "grpo_llama8b", "qwen3_8b", "qwen3_32b", "mistral_7b", "gemma3_27b",
                           "sft_lora_qwen3_8b", "qlora_gemma3_27b", "mixtral_8x7b",
-                          "qwen3_30b_a3b", "qwen3_235b_a22b", "qlora_qwen3_30b_a3b")
+                          "qwen3_30b_a3b", "qwen3_235b_a22b", "qlora_qwen3_30b_a3b",
+                          "deepseek_v3_671b", "kimi_k2_1t")
 
 
 def test_every_config_names_a_valid_target():
@@ -39,7 +40,8 @@ def _experts_travel_by_all_to_all(m):
 
 # What else the targets' compilers show of these steps, read from the compile the fit test makes.
 COMPILED_STEP_CHECKS = {name: _experts_travel_by_all_to_all
-                        for name in ("mixtral_8x7b", "qwen3_30b_a3b", "qwen3_235b_a22b")}
+                        for name in ("mixtral_8x7b", "qwen3_30b_a3b", "qwen3_235b_a22b",
+                                     "deepseek_v3_671b", "kimi_k2_1t")}
 
 
 @pytest.mark.slow

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import objectives, train_setup
-from jaxtrain.attention import context_kernel_platform, impl_under_stages
+from jaxtrain.attention import (CUDNN_MAX_HEAD_DIM, context_kernel_platform, impl_under_stages,
+                                resolve_impl as resolve_attention_impl)
 from jaxtrain.config_checks import validate
 from jaxtrain.dryrun import breakdown as breakdown_lib
 from jaxtrain.dryrun import hlo_flops
@@ -104,10 +105,13 @@ def modelled_model_config(config, backend: str, platform: str) -> tuple[ModelCon
   attention is compiled or modelled."""
   cfg = ModelConfig.from_config(config, platform=platform)
   impl = config.attention.impl
-  resolved = {"gpu": "cudnn", "tpu": "pallas"}.get(platform, "xla") if impl == "auto" else impl
+  resolved = (resolve_attention_impl(impl, platform, head_dim=cfg.arch.head_dim)
+              if impl == "auto" else impl)
   resolved = impl_under_stages(resolved, config.mesh.stage)
   shown = f"{impl!r}" + (f" ({resolved})" if impl in ("auto", "cudnn") and impl != resolved
                          else "")
+  if platform == "gpu" and impl == "auto" and resolved == "pallas":
+    shown += f": cuDNN takes head dims up to {CUDNN_MAX_HEAD_DIM}, not {cfg.arch.head_dim}"
   if config.mesh.context > 1:
     # Context parallelism runs its own attention (jaxtrain.parallel.context_attention).
     how = (f"context parallel over {config.mesh.context} devices "

@@ -105,6 +105,10 @@ class Architecture:
     """One line for run tables: family, sizes, and the window where there is one."""
     out = (f"{self.family}: L={self.num_layers} D={self.d_model} H={self.num_heads} "
            f"K={self.num_kv_heads} E={self.head_dim} F={self.mlp_dim} V={self.vocab_size}")
+    if self.kv_lora_rank:
+      out += (f", latent attention (kv latent {self.kv_lora_rank}, query rank "
+              f"{self.q_lora_rank or 'full'}, RoPE on {self.qk_rope_head_dim} of E, values "
+              f"{self.v_head_dim})")
     sliding = sum(self.sliding_layers())
     if sliding:
       out += f", window {self.sliding_window} on {sliding} of {self.num_layers} layers"
@@ -136,6 +140,7 @@ class Runtime:
   moe_aux_loss_coef: float = 0.0
   moe_z_loss_coef: float = 0.0
   moe_seq_aux_loss_coef: float = 0.0
+  moe_bias_update_rate: float = 0.0  # router correction biases' balancing step (train_step)
   # What the model compiles for ("cpu", "gpu", "tpu"): it picks the attention kernel's route.
   # The mesh's devices decide it (train_setup.build), not the process's default backend, so a
   # CPU process compiles the GPU or TPU program for a deviceless target.
@@ -233,7 +238,8 @@ class ModelConfig:
                       moe_grouped_matmul=moe.grouped_matmul,
                       moe_aux_loss_coef=float(moe.aux_loss_coef),
                       moe_z_loss_coef=float(moe.router_z_loss_coef),
-                      moe_seq_aux_loss_coef=float(moe.get("seq_aux_loss_coef", 0.0)))
+                      moe_seq_aux_loss_coef=float(moe.get("seq_aux_loss_coef", 0.0)),
+                      moe_bias_update_rate=float(moe.get("bias_update_rate", 0.0)))
     parallel = Parallelism(context_parallel=a.context_parallel,
                            context_load_balance=bool(a.load_balance),
                            pipeline_microbatches=p.microbatches, pipeline_repeats=p.repeats,

@@ -7,12 +7,14 @@ all use these (through jaxtrain.metrics and the objectives).
 FLOPs per token = 6 * N_matmul + attention, where
 
   N_matmul  parameters that take part in a matmul for a token: per layer the q, k, v, o
-            projections and the MLP gate/up/down, plus the output head (D*V). The embedding
+            projections (latent attention's: q_a, q_b, kv_a, kv_b, o) and the MLP gate/up/down,
+            plus the output head (D*V). The embedding
             lookup, norm scales and biases do no matmul FLOPs. With tied embeddings the table
             *is* the head: D*V once. An MoE layer counts its router (D*X) and the k experts a
             token uses (its *active* parameters), not all X.
   6 *       2 FLOPs per multiply-add forward, and the backward costs twice the forward.
-  attention QK^T and AV: 4*H*E FLOPs per (query, visible key) pair forward, times 3 for training,
+  attention QK^T and AV: 2*H*(E + V) FLOPs per (query, visible key) pair forward (V: the values'
+            head dim, E unless latent attention gives them their own), times 3 for training,
             times the keys a query sees on average: T/2 for causal attention over T tokens
             (FLOPs on masked pairs are not credited, whatever a kernel computes), and for a
             sliding window W < T: (W(W+1)/2 + (T-W)W) / T.
@@ -26,6 +28,10 @@ from __future__ import annotations
 
 def _attention_params(arch) -> int:
   d, h, k, e = arch.d_model, arch.num_heads, arch.num_kv_heads, arch.head_dim
+  if arch.kv_lora_rank:  # latent attention (models/mla.py)
+    r, p, v, q = arch.kv_lora_rank, arch.qk_rope_head_dim, arch.v_head_dim, arch.q_lora_rank
+    query = d * q + q * h * e if q else d * h * e  # through the rank-Q bottleneck, or direct
+    return query + d * (r + p) + r * h * (e - p + v) + h * v * d  # + kv_a, kv_b, o
   return d * h * e + 2 * d * k * e + h * e * d  # q, k+v (grouped), o
 
 
@@ -35,7 +41,9 @@ def _ffn_params(arch, moe: bool, active: bool) -> int:
   if not moe:
     return 3 * arch.d_model * arch.mlp_dim
   experts = arch.experts_per_token if active else arch.num_experts
-  return arch.d_model * arch.num_experts + experts * 3 * arch.d_model * arch.expert_dim
+  # The router, the experts, and DeepSeek's shared experts (every token passes them).
+  return arch.d_model * arch.num_experts + (experts + arch.num_shared_experts) * (
+      3 * arch.d_model * arch.expert_dim)
 
 
 def _layers_matmul_params(arch, active: bool) -> int:
@@ -54,9 +62,13 @@ def param_count(arch, active: bool = False) -> int:
     per_layer += 2 * e
   if features.qkv_bias:
     per_layer += (arch.num_heads + 2 * arch.num_kv_heads) * e
+  per_layer += arch.q_lora_rank + arch.kv_lora_rank  # latent attention's norms of its ranks
+  # DeepSeek's router correction bias, one per expert of each MoE layer (not trained by the
+  # optimizer, but part of the model).
+  biases = arch.num_experts * sum(arch.moe_layers()) if arch.router_bias else 0
   head = 0 if arch.tie_embeddings else d * arch.vocab_size
   return (arch.vocab_size * d + arch.num_layers * per_layer + _layers_matmul_params(arch, active)
-          + d + head)
+          + biases + d + head)
 
 
 def matmul_params(arch) -> int:
@@ -80,4 +92,6 @@ def flops_per_token(arch, seq_len: int) -> float:
   window = arch.sliding_window or None
   visible = sum(keys_per_query(seq_len, window if sliding else None)
                 for sliding in arch.sliding_layers())
-  return 6.0 * matmul_params(arch) + 12.0 * arch.num_heads * arch.head_dim * visible
+  # QK^T over the query/key head dim, AV over the values' (latent attention's differ).
+  score_and_mix = arch.head_dim + (arch.v_head_dim or arch.head_dim)
+  return 6.0 * matmul_params(arch) + 6.0 * arch.num_heads * score_and_mix * visible

@@ -65,13 +65,13 @@ class LatentAttention(nnx.Module):
     if q_rank:
       self.wq_a_DQ = _weight(cfg, rngs, (d, q_rank), ("embed", "latent"), a.init_std)
       self.q_a_norm = norm(cfg, q_rank)
-      self.wq_b_QHE = _weight(cfg, rngs, (q_rank, h, e), ("latent", "heads", "head_dim"),
+      self.wq_b_QHE = _weight(cfg, rngs, (q_rank, h, e), ("q_latent", "heads", "head_dim"),
                               a.init_std)
     else:
       self.wq_DHE = _weight(cfg, rngs, (d, h, e), ("embed", "heads", "head_dim"), a.init_std)
     self.wkv_a_DA = _weight(cfg, rngs, (d, r + p), ("embed", "latent"), a.init_std)
     self.kv_a_norm = norm(cfg, r)
-    self.wkv_b_RHB = _weight(cfg, rngs, (r, h, e - p + v), ("latent", "heads", "head_dim"),
+    self.wkv_b_RHB = _weight(cfg, rngs, (r, h, e - p + v), ("kv_latent", "heads", "head_dim"),
                              a.init_std)
     o = (h, v, d), ("heads", "head_dim", "embed")
     self.wo_HUD = _weight(cfg, rngs, *o, out_std, num_in=2)

@@ -47,8 +47,13 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # Pipeline stages: each holds a contiguous group of the stacked layers (jaxtrain.parallel.pipeline).
     ("layers", "stage"),
     ("lora_rank", None),
-    # Latent attention's ranks (q_lora_rank, kv_lora_rank; models/mla.py): small, whole.
+    # Latent attention's ranks (models/mla.py): whole where a projection makes them (its D
+    # input is sharded like `embed`), split over fsdp and context where one takes them in (the
+    # query rank of q_b, the key/value rank of kv_b), so FSDP splits those weights too; not
+    # over `expert` as well: the ranks (1536, 512) are smaller than D and would not divide.
     ("latent", None),
+    ("q_latent", ("fsdp", "context")),
+    ("kv_latent", ("fsdp", "context")),
     # MoE experts [X, D, F]: the experts split over `expert`; inside an expert, D is stored
     # sharded like `embed` (less the expert axis, which the expert dim holds) and F like `mlp`.
     ("experts", "expert"),
@@ -155,7 +160,8 @@ def resolve_shape(requested: Mapping[str, int], num_devices: int) -> MeshShape:
 # one table rather than written per axis.
 PARAM_DIMS = {"vocab": "model.vocab_size", "embed": "model.d_model", "mlp": "model.mlp_dim",
               "heads": "model.num_heads", "kv_heads": "model.num_kv_heads",
-              "experts": "moe.num_experts", "expert_mlp": "moe.expert_mlp_dim"}
+              "experts": "moe.num_experts", "expert_mlp": "moe.expert_mlp_dim",
+              "q_latent": "model.q_lora_rank", "kv_latent": "model.kv_lora_rank"}
 
 
 def check_divides(shape: MeshShape, dims: Mapping[str, int]) -> None:
