@@ -164,6 +164,26 @@ def test_unknown_tensors_beside_a_multimodal_language_model_are_refused(tmp_path
     hf.load_model(str(tmp_path))
 
 
+def test_a_deepseek_checkpoints_prediction_layer_is_left_out(tmp_path):
+  """DeepSeek-V3's hub checkpoints store their multi-token-prediction layer after the decoder
+  (model.layers.{num_hidden_layers}.*): import leaves it out, as config.json's
+  num_nextn_predict_layers says; a layer config.json does not account for is refused."""
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  source = os.path.join(FIXTURES, "hf_deepseek_v3")
+  tensors = safetensors_tensors(source)
+  tensors["model.layers.3.eh_proj.weight"] = np.zeros((64, 32), np.float32)
+  tensors["model.layers.3.enorm.weight"] = np.ones((32,), np.float32)
+  save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+  config = hf_config.read_hf_config(source)
+  assert config["num_hidden_layers"] == 3 and config["num_nextn_predict_layers"] == 1
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  model, _ = hf.load_model(str(tmp_path))
+  _max_error(model, source, "deepseek_v3 with its prediction layer left out")
+  (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+  with pytest.raises(HFFormatError, match=r"no place for: model.layers.3.eh_proj.weight"):
+    hf.load_model(str(tmp_path))
+
+
 # --------------------------------------------------------------------------------------------
 # Export: what transformers loads for the family, and back
 # --------------------------------------------------------------------------------------------

@@ -42,10 +42,11 @@ def one_device_curves():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [dict(expert=4, fsdp=2), dict(expert=2, data=2, tensor=2)])
+@pytest.mark.parametrize("mesh", [dict(expert=4, fsdp=2)])
 def test_expert_parallel_training_equals_one_device_for_20_steps(one_device_curves, mesh):
   """Float32 losses and gradient norms (with the aux and z losses in the objective) within
-  1e-5 of one device's at each of 20 dropless steps."""
+  1e-5 of one device's at each of 20 dropless steps. (The experts split 2 ways beside data
+  and tensor parallelism: tests/test_deepseek.py, on DeepSeek's router.)"""
   curves = train_curves(_moe_tiny(**mesh), mesh, steps=20)
   assert_curves_close(curves, one_device_curves, rtol=1e-5)
 

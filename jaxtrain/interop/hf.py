@@ -199,8 +199,11 @@ def load_weights(path: str, config, *, mesh: Mesh | None = None) -> Decoder:
   mesh = default_mesh() if mesh is None else mesh
   graphdef, abstract_params, _ = abstract_model(cfg, mesh)
   _check_divisible(abstract_params, mesh)
+  # DeepSeek-V3's checkpoints hold their multi-token-prediction layers after the decoder's
+  # (`model.layers.{num_hidden_layers + i}`); the model here has none, so they are left out.
+  mtp_layers = int(hf_config.read_hf_config(path).get("num_nextn_predict_layers") or 0)
   with hf_weights.SafetensorsReader(os.path.abspath(path)) as reader:
-    naming = hf_weights.check_tensors(reader, cfg)
+    naming = hf_weights.check_tensors(reader, cfg, skipped_layers=mtp_layers)
     params = _fill_params(abstract_params, cfg, reader, naming)
   return nnx.merge(graphdef, params)
 

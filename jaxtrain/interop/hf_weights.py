@@ -376,9 +376,11 @@ def naming_of(names) -> Naming:
   return NAMINGS[0]
 
 
-def check_tensors(reader: SafetensorsReader, cfg) -> Naming:
+def check_tensors(reader: SafetensorsReader, cfg, skipped_layers: int = 0) -> Naming:
   """Checks names and shapes against the model before anything is read; returns where the
-  checkpoint keeps them (Naming: "model." names, a bare *Model's, a multimodal checkpoint's)."""
+  checkpoint keeps them (Naming: "model." names, a bare *Model's, a multimodal checkpoint's).
+  `skipped_layers`: layers stored after the decoder's that are not read (DeepSeek-V3's
+  multi-token-prediction layers)."""
   names = set(reader.names())
   naming = naming_of(names)
   sizes = sizes_of(cfg)
@@ -394,8 +396,11 @@ def check_tensors(reader: SafetensorsReader, cfg) -> Naming:
     raise HFFormatError(f"{reader.directory}: tensors missing from the safetensors: "
                         f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}{hint}")
   tolerated = {naming.head} if cfg.arch.tie_embeddings else set()
+  skipped = tuple(naming.stored(f"model.layers.{cfg.arch.num_layers + i}.")
+                  for i in range(skipped_layers))
   unexpected = sorted(n for n in names - set(expected) - tolerated
-                      if not n.endswith(IGNORED_SUFFIXES) and not n.startswith(naming.others))
+                      if not n.endswith(IGNORED_SUFFIXES) and not n.startswith(naming.others)
+                      and not n.startswith(skipped))
   if unexpected:
     raise HFFormatError(f"{reader.directory}: tensors this {cfg.arch.family} config has no place "
                         f"for: {', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}"
