@@ -350,3 +350,33 @@ def test_cudnn_window_lowers_for_cuda():
 
   assert lengths(16) == ["16", "16"]
   assert lengths(None) == ["0", "0"]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_values_of_their_own_head_dim_and_padded_head_dims_are_exact(monkeypatch, padded):
+  """Latent attention's shapes (queries/keys of 24 dims, values of 16) through the kernels,
+  which take one head dim: the values zero-padded to the queries' (and, where the kernels need
+  a power of two, as our Triton kernels do for DeepSeek's 192, all three padded to 32) give
+  the reference's output, the softmax scale staying the unpadded head dim's."""
+  if padded:  # the GPU route's padding, run through the Pallas interpreter here
+    monkeypatch.setattr(attention_lib, "kernel_head_dim",
+                        lambda impl, platform, interpret, e: 32 if impl == "pallas" else e)
+  kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(kq, (B, T, H, 24), jnp.float32)
+  k = jax.random.normal(kk, (B, T, 2, 24), jnp.float32)
+  v = jax.random.normal(kv, (B, T, 2, 16), jnp.float32)
+  seg = jnp.asarray(np.repeat([[1, 2]], B, axis=0).repeat(T // 2, axis=1), jnp.int32)
+  want = naive_attention(q, k, v, seg)
+  got = attention_lib.attention(q, k, v, seg, impl="pallas", interpret=True, platform="cpu")
+  assert got.shape == (B, T, H, 16)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
+def test_head_dims_cudnn_refuses_get_our_kernels_padded_to_a_power_of_two():
+  assert attention_lib.kernel_head_dim("pallas", "gpu", False, 192) == 256
+  assert attention_lib.kernel_head_dim("pallas", "gpu", False, 128) == 128
+  assert attention_lib.kernel_head_dim("cudnn", "gpu", False, 192) == 192
+  assert attention_lib.resolve_impl("auto", "gpu", head_dim=192) == "pallas"
+  assert attention_lib.resolve_impl("auto", "gpu", head_dim=128) == "cudnn"
+  with pytest.raises(ValueError, match="head dims up to 128 in multiples of 8, not 192"):
+    attention_lib.resolve_impl("cudnn", "gpu", head_dim=192)
