@@ -227,7 +227,7 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
                                         t.global_batch_size / shards))] if stages > 1 else []),
       ("dtypes", f"params {cfg.runtime.param_dtype}, compute {cfg.runtime.dtype}, Adam moments "
                  f"{o.state_dtype} in {'pinned host' if o.offload_state else 'device'} "
-                 f"memory"),
+                 f"memory" + (f" ({m.offload_note})" if m.offload_note else "")),
       ("remat", cfg.runtime.remat_policy + (f" ({m.remat_note})" if m.remat_note else "")),
       ("attention", m.attention_note),
       ("compile", f"{m.compile_s:.1f} s"),

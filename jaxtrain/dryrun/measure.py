@@ -78,6 +78,9 @@ class Measurement:
   attention_note: str
   act_host: int = 0  # saved activations in host memory (offload remat policies), estimated
   remat_note: str = ""
+  # Set when the optimizer state's host placement could not be compiled (a deviceless GPU
+  # target): what the figures assume instead.
+  offload_note: str = ""
   # Of `params`: weights that do not train (the LoRA/QLoRA base, the DPO reference), exact.
   frozen: int = 0
   # The buffers live at the memory peak (breakdown.py), when asked for; and the compiler's
@@ -283,6 +286,16 @@ def _compile_and_measure(config, devices, platform: str | None = None,
     found = breakdown_lib.read(dump_dir) if dump else None
 
   exact = state_bytes(state)
+  offload_note = ""
+  if config.optim.offload_state and not exact.opt_host and exact.opt_device:
+    # XLA:GPU without a device has no host memory space (a deviceless topology's devices
+    # address none, and with_memory_kind("pinned_host") yields no kind), so the step compiled
+    # with the moments in device memory. Their bytes are exact and counted where the run keeps
+    # them; the update's transient device copies are not in the compiled temporaries.
+    exact = dataclasses.replace(exact, opt_device=0, opt_host=exact.opt_device)
+    offload_note = (f"the moments' host placement cannot be compiled for {backend.upper()} "
+                    f"without a device: their exact bytes counted in host memory, the "
+                    f"update's transient device copies not modelled")
   param_shards = _param_shards(state.params)
   frozen_shards = _param_shards(state.frozen, "frozen.") if state.frozen is not None else []
   memory = compiled.memory_analysis()
@@ -304,7 +317,7 @@ def _compile_and_measure(config, devices, platform: str | None = None,
       flops=counted.flops, xla_flops=float(cost.get("flops", np.nan)),
       loops_without_trip_count=counted.loops_without_trip_count, compile_s=compile_s,
       param_shards=param_shards + frozen_shards, attention_note=attention_note,
-      frozen=exact.frozen, act_host=act_host,
+      frozen=exact.frozen, act_host=act_host, offload_note=offload_note,
       breakdown=found if with_breakdown else None, reported_temp=reported_temp, hlo=hlo)
 
 
