@@ -5,7 +5,8 @@ Latent attention (4 heads: query/key dims 32 of which 8 carry RoPE, value dims 3
 key/value latent, a 48-wide query bottleneck); the first layer dense, the other three MoE layers
 of 8 experts of width 96 in 4 groups (the best 2 groups eligible per token), 2 chosen per token
 by sigmoid scores plus the correction bias, weights renormalized and scaled by 2.5, beside one
-shared expert. Balancing as the paper does it: no Switch aux loss, the correction biases moved
+shared expert, and one multi-token-prediction module (its loss at weight 0.3, reported as
+mtp_loss). Balancing as the paper does it: no Switch aux loss, the correction biases moved
 after every step, the sequence-wise balance loss at a small weight. The paper's bias step of
 0.001 is for trillions of tokens; over this 200-step run it moves a bias by 0.2 at most and the
 busiest expert still takes 3.81x the mean load at the end (3.94x with no balancing), so the
@@ -53,4 +54,5 @@ def get_config():
   c.moe.router_z_loss_coef = 0.0
   c.moe.seq_aux_loss_coef = 1e-4
   c.moe.bias_update_rate = 1e-2
+  c.model.mtp_depth = 1  # one multi-token-prediction module, as DeepSeek-V3 trains
   return c

@@ -10,9 +10,10 @@ parameter) and `full` remat: what makes it fit. On 256 GPUs (fsdp=32) it needs 7
 the 71.2 GiB a fit leaves. Global batch 512 x 4096 tokens, one sequence per GPU. `--dry_run`
 gives the figures (docs/performance.md has the table).
 
-Balancing as the paper trains it: no Switch aux loss; the routers' correction biases move by
-0.001 per step against their experts' load (moe.bias_update_rate); the sequence-wise balance
-loss at 1e-4.
+Trained as the paper does: no Switch aux loss; the routers' correction biases move by 0.001
+per step against their experts' load (moe.bias_update_rate); the sequence-wise balance loss at
+1e-4; one multi-token-prediction module (11.6B more parameters: a [2D, D] projection and an MoE
+block; embedding and head shared) whose loss is weighted 0.3.
 
 Sizes from the published config.json (deepseek-ai/DeepSeek-V3): 61 layers (the first 3 dense,
 intermediate 18432), hidden 7168, 128 heads with query/key dims 128 + 64 (RoPE) and value dims
@@ -43,6 +44,7 @@ def get_config():
   moe.num_shared_experts = 1
   moe.aux_loss_coef, moe.router_z_loss_coef = 0.0, 0.0
   moe.seq_aux_loss_coef, moe.bias_update_rate = 1e-4, 1e-3
+  m.mtp_depth, m.mtp_loss_weight = 1, 0.3  # one prediction module, the paper's first weight
   m.remat_policy = "full"
   c.optim.state_dtype = "bfloat16"
   c.train.seq_len = 4096

@@ -92,6 +92,12 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.kv_lora_rank = 0
   c.model.qk_rope_head_dim = 0
   c.model.v_head_dim = 0
+  # Multi-token prediction (DeepSeek-V3; jaxtrain/models/mtp.py): mtp_depth extra modules, the
+  # k-th predicting the token k places past the main model's target; their mean cross-entropies
+  # are added to the language-model loss weighted by mtp_loss_weight / mtp_depth (the paper:
+  # depth 1, weight 0.3 then 0.1) and reported as mtp_loss. Families that have it only.
+  c.model.mtp_depth = 0
+  c.model.mtp_loss_weight = 0.3
   c.model.tie_embeddings = False
   c.model.init_std = 0.02
   c.model.scan_layers = True

@@ -19,7 +19,8 @@ from jaxtrain.parallel.mesh import (DCN_AXES, MESH_AXES, MeshShape, check_divide
 from jaxtrain.config import (ATTENTION_IMPLS, DTYPES, LORA_TARGETS, OBJECTIVES, REMAT_POLICIES,
                              ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError, lora_targets)
 from jaxtrain.models import registry
-from jaxtrain.config_checks_moe import check_latent_attention, check_moe
+from jaxtrain.config_checks_moe import (check_latent_attention, check_moe,
+                                       check_multi_token_prediction)
 from jaxtrain.models.config import LAYER_TYPES, SLIDING, parse_layer_types
 
 
@@ -250,6 +251,7 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
   _check_context(config, mesh)
   check_moe(config, mesh)
   check_latent_attention(config)
+  check_multi_token_prediction(config, mesh)
   if mesh.context > 1 and config.model.sliding_window:
     raise ConfigError(f"model.sliding_window={config.model.sliding_window}: sliding-window "
                       f"attention under context parallelism (mesh.context={mesh.context}) is not "

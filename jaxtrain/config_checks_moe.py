@@ -1,5 +1,6 @@
-"""Validation of the Mixture-of-Experts settings (the moe group, mesh.expert) and of latent
-attention's dims: part of config_checks.validate, one ConfigError line each."""
+"""Validation of the Mixture-of-Experts settings (the moe group, mesh.expert), of latent
+attention's dims and of multi-token prediction: DeepSeek-V3's parts of config_checks.validate,
+one ConfigError line each."""
 
 from __future__ import annotations
 
@@ -125,3 +126,28 @@ def check_latent_attention(config):
     raise ConfigError(f"model.sliding_window={m.sliding_window}: sliding-window layers with "
                       f"latent attention (model.kv_lora_rank={m.kv_lora_rank}) are not "
                       f"supported; set model.sliding_window=0")
+
+
+def check_multi_token_prediction(config, mesh: MeshShape):
+  """model.mtp_depth / mtp_loss_weight (models/mtp.py) against the family, objective and mesh."""
+  m = config.model
+  if m.mtp_depth < 0:
+    raise ConfigError(f"model.mtp_depth={m.mtp_depth}: must be >= 0 (0: no multi-token "
+                      f"prediction)")
+  if m.mtp_loss_weight < 0:
+    raise ConfigError(f"model.mtp_loss_weight={m.mtp_loss_weight}: must be >= 0")
+  if not m.mtp_depth:
+    return
+  family = registry.get(m.family)
+  if not family.multi_token_prediction:
+    with_mtp = ", ".join(n for n, f in registry.FAMILIES.items() if f.multi_token_prediction)
+    raise ConfigError(f"model.mtp_depth={m.mtp_depth}: model.family={m.family!r} has no "
+                      f"multi-token prediction; set model.mtp_depth=0, or use {with_mtp}")
+  if config.train.objective != "lm":
+    raise ConfigError(f"model.mtp_depth={m.mtp_depth}: multi-token prediction trains with the "
+                      f"language-model objective, not train.objective="
+                      f"{config.train.objective!r}; set model.mtp_depth=0")
+  if mesh.context > 1:
+    raise ConfigError(f"model.mtp_depth={m.mtp_depth}: multi-token prediction under context "
+                      f"parallelism (mesh.context={mesh.context}) is not supported (its inputs "
+                      f"shift along the split sequence); use mesh.context=1")

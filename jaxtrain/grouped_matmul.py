@@ -104,7 +104,9 @@ def _layout(group_sizes_G, rows: int, block_rows: int):
 def _zeros(shape, dtype, *like):
   """Zeros that vary over the same manual mesh axes as `like` (inside shard_map a loop's
   carry must match its body's output, which varies wherever the operands do)."""
-  zero = sum(jnp.zeros_like(a, dtype=dtype, shape=()) for a in like)
+  # From one element of each: zeros_like(a, shape=()) of an eagerly sharded array would carry
+  # its rank-N sharding over to the scalar.
+  zero = sum(jnp.zeros_like(a[(0,) * a.ndim], dtype=dtype) for a in like)
   return jnp.broadcast_to(zero, shape)
 
 

@@ -8,6 +8,7 @@ so gradient accumulation over microbatches gives the same update as one full bat
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -18,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxtrain import objectives
 from jaxtrain.cross_entropy import chunked_cross_entropy
-from jaxtrain.models import moe
+from jaxtrain.models import moe, mtp
 from jaxtrain.parallel.mesh import batch_sharding, replicated, shard
 from jaxtrain.objectives.lm import BATCH_KEYS  # the language-model batch (module docstring)
 from jaxtrain.parallel.pipeline import stage_count
@@ -82,13 +83,38 @@ def loss_sum_fn(params, graphdef, batch: Batch, loss_chunk_size: int, frozen=Non
   model = merge_model(graphdef, params, frozen)
   batch = model.sequence_layout(batch)
   with moe.collect_router_stats() as router_passes:
-    x_BTD = _hidden_states(model, batch, dropout_key)
+    if model.cfg.arch.mtp_depth:
+      kwargs = {} if dropout_key is None else {"dropout_key": dropout_key}
+      x_BTD, predictions = model.hidden_states_with_predictions(
+          batch["inputs"], batch["positions"], batch["segment_ids"], **kwargs)
+    else:
+      x_BTD, predictions = _hidden_states(model, batch, dropout_key), []
   w, vocab_axis = model.head()
-  loss_sum, count = chunked_cross_entropy(
-      x_BTD, w, batch["targets"], batch["loss_mask"], loss_chunk_size,
-      model.cfg.runtime.explicit_transpose_for_dw, vocab_axis)
+  cross_entropy = functools.partial(
+      chunked_cross_entropy, chunk_size=loss_chunk_size, vocab_axis=vocab_axis,
+      explicit_transpose_for_dw=model.cfg.runtime.explicit_transpose_for_dw)
+  loss_sum, count = cross_entropy(x_BTD, w, batch["targets"], batch["loss_mask"])
   extra, metrics = router_terms(model, router_passes, count, training=training)
+  if predictions:
+    mtp_extra, mtp_metrics = mtp_terms(model, predictions, w, batch, cross_entropy, count)
+    extra = extra + (mtp_extra if training else 0.0)
+    metrics.update(mtp_metrics)
   return loss_sum + extra, count, metrics
+
+
+def mtp_terms(model, predictions: list, w, batch: Batch, cross_entropy: Callable, count):
+  """(loss sum to add, {metric: sum}) of the multi-token-prediction modules' states
+  (models/mtp.py): depth k's mean cross-entropy against the targets k places on, within each
+  document; mtp_loss_weight / D times their sum is added per loss unit (times `count`, so
+  accumulation and evals divide it back like the loss), and their mean reported as mtp_loss."""
+  means = []
+  for k, h_BTD in enumerate(predictions, start=1):
+    targets_BT, mask_BT = mtp.depth_targets(batch["targets"], batch["loss_mask"],
+                                            batch["segment_ids"], k)
+    depth_sum, depth_count = cross_entropy(h_BTD, w, targets_BT, mask_BT)
+    means.append(depth_sum / jnp.maximum(depth_count, 1.0))
+  weight = model.cfg.runtime.mtp_loss_weight / len(predictions)
+  return weight * sum(means) * count, {"mtp_loss": sum(means) / len(means) * count}
 
 
 def make_loss_sums(graphdef, *, objective="lm", loss_chunk_size: int = 512,

@@ -6,6 +6,7 @@ parallelism equals one device with both on; bad settings are one-line errors."""
 import os
 
 import jax
+from flax import nnx
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -60,13 +61,14 @@ def test_train_steps_move_the_biases_by_the_rate_and_the_optimizer_never():
       lambda path, x: jnp.full_like(x, 0.5) if moe.is_router_bias(path) else x, state.params))
   with jax.set_mesh(setup.mesh):
     for step in range(3):
-      (before,) = _biases(state)
+      before = np.concatenate([b.reshape(-1, 8) for b in _biases(state)])
       batch = packed_batch(8, 64, c.model.vocab_size, seed=step)
       state, metrics = setup.train_step(state, trainer.to_global_batch(batch, setup.mesh))
       assert moe.EXPERT_LOAD not in metrics and metrics["moe_seq_aux_loss"] > 0
       assert step == 0 or float(metrics["learning_rate"]) > 0
-      (after,) = _biases(state)
-      assert after.shape == (3, 8)  # the three MoE layers' stack
+      # The three MoE layers' stack, then the multi-token-prediction module's MoE block.
+      assert [b.shape for b in _biases(state)] == [(3, 8), (8,)]
+      after = np.concatenate([b.reshape(-1, 8) for b in _biases(state)])
       moved = np.round((after - before) / rate)
       np.testing.assert_allclose(after - before, moved * rate, atol=1e-7)
       assert set(np.unique(moved)) <= {-1.0, 0.0, 1.0}
@@ -156,3 +158,87 @@ def test_generation_from_the_latent_cache_equals_the_forward_pass(q_lora_rank, y
     logits, cache = step(model, tokens[:, i:i + 1], jnp.full(2, i, jnp.int32), cache)
     got.append(np.asarray(logits))
   np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=1e-5, rtol=0)
+
+
+def _mtp_model(depth):
+  from jaxtrain.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  from jaxtrain.sharding import create_model  # pylint: disable=import-outside-toplevel
+  c = _deepseek_tiny()
+  c.model.mtp_depth = depth
+  return c, create_model(ModelConfig.from_config(c, platform="cpu"), mesh_of({}), seed=0)
+
+
+def test_each_prediction_depth_sees_one_more_token_and_no_later_one():
+  """Depth k's state at position t combines the main model's state at t with token t + k: it
+  changes when token t + k does and not for any later token (in the main model, position t
+  sees tokens up to t only)."""
+  _, model = _mtp_model(2)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 24)), jnp.int32)
+  changed = tokens.at[:, 12].set((tokens[:, 12] + 1) % 256)
+  main, states = model.hidden_states_with_predictions(tokens)
+  main2, states2 = model.hidden_states_with_predictions(changed)
+  np.testing.assert_allclose(np.asarray(main), np.asarray(model.hidden_states(tokens)),
+                             atol=1e-6)
+  for k, (a, b) in enumerate(zip(states, states2), start=1):
+    differs = np.abs(np.asarray(a) - np.asarray(b)).max(axis=(0, 2)) > 1e-6
+    # The first position that sees token 12 at depth k is 12 - k.
+    assert not differs[:12 - k].any() and differs[12 - k], (k, np.flatnonzero(differs))
+  assert not (np.abs(np.asarray(main) - np.asarray(main2)).max(axis=(0, 2))[:12] > 1e-6).any()
+
+
+def test_prediction_losses_are_each_depths_cross_entropy_within_documents():
+  """mtp_loss (and the loss's extra weight/D times the depths' sum) from dense logits of each
+  depth's states against the targets k places on, masked where they leave the document."""
+  from jaxtrain.train_step import loss_sum_fn  # pylint: disable=import-outside-toplevel
+  c, model = _mtp_model(2)
+  batch = {k: jnp.asarray(v) for k, v in packed_batch(4, 32, 256, seed=3).items()}
+  graphdef, params = nnx.split(model)
+  loss_sum, count, metrics = loss_sum_fn(params, graphdef, batch, 32)
+  _, states = model.hidden_states_with_predictions(batch["inputs"], batch["positions"],
+                                                   batch["segment_ids"])
+  w = np.asarray(model.head_DV[...], np.float64)
+  targets, mask, seg = (np.asarray(batch[k]) for k in ("targets", "loss_mask", "segment_ids"))
+  means = []
+  for k, h in enumerate(states, start=1):
+    logits = np.asarray(h, np.float64) @ w
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    total = n = 0.0
+    for b in range(4):
+      for t in range(32 - k):
+        if mask[b, t + k] and seg[b, t + k] == seg[b, t]:
+          total -= logp[b, t, targets[b, t + k]]
+          n += 1
+    assert 0 < n < mask.sum()  # documents end inside the rows: some targets are left out
+    means.append(total / n)
+  np.testing.assert_allclose(float(metrics["mtp_loss"]) / float(count), np.mean(means),
+                             rtol=2e-5)
+  without = loss_sum_fn(params, graphdef, batch, 32, training=False)[0]
+  router = float(metrics["moe_seq_aux_loss"]) / float(count) * c.moe.seq_aux_loss_coef
+  np.testing.assert_allclose((float(loss_sum) - float(without)) / float(count),
+                             c.model.mtp_loss_weight / 2 * sum(means) + router, rtol=1e-4)
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"model.family": "mixtral", "moe.router_score": "softmax", "moe.router_bias": False,
+      "moe.n_group": 1, "moe.topk_group": 1, "model.kv_lora_rank": 0, "model.q_lora_rank": 0,
+      "model.qk_rope_head_dim": 0, "model.v_head_dim": 0, "model.num_kv_heads": 2},
+     ["model.mtp_depth=1", "model.family='mixtral'", "deepseek_v3"]),
+    ({"train.objective": "dpo", "data.format": "preference", "data.source": "jsonl"},
+     ["model.mtp_depth=1", "train.objective='dpo'"]),
+    ({"model.mtp_depth": -1}, ["model.mtp_depth=-1", ">= 0"]),
+    ({"model.mtp_loss_weight": -0.5}, ["model.mtp_loss_weight=-0.5", ">= 0"]),
+])
+def test_bad_prediction_settings_are_one_line_errors(changes, words):
+  c = _deepseek_tiny()
+  for key, value in changes.items():
+    group, name = key.split(".")
+    setattr(c[group], name, value)
+  assert_one_line_config_error(c, 1, words)
+
+
+def test_export_says_it_leaves_the_prediction_modules_out(tmp_path):
+  from jaxtrain.interop import hf  # pylint: disable=import-outside-toplevel
+  said = hf.left_out_of_export(str(tmp_path), DEEPSEEK_TINY)
+  assert said.startswith("1 multi-token prediction module(s)") and "not written" in said
+  assert hf.left_out_of_export(str(tmp_path), os.path.join(REPO, "configs", "tiny.py")) == ""

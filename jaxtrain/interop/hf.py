@@ -468,6 +468,21 @@ def export_command(checkpoint: str, config_path: str | None, out: str, dtype: st
                     overwrite=overwrite)
 
 
+def left_out_of_export(checkpoint: str, config_path: str | None) -> str:
+  """What an export of `checkpoint` does not write (its multi-token-prediction modules: the
+  exported config.json says num_nextn_predict_layers=0), or ""."""
+  from jaxtrain.checkpoint import saved_config  # pylint: disable=import-outside-toplevel
+  path = config_path or os.path.join(checkpoint, "config.py")
+  try:
+    config = (load_config_file(path) if os.path.isfile(path)
+              else ml_collections.ConfigDict(saved_config(checkpoint)))
+  except ConfigError:
+    return ""
+  depth = int(config.model.get("mtp_depth", 0))
+  return (f"{depth} multi-token prediction module(s) (model.mtp_depth): trained here, not "
+          f"written to the Hugging Face directory") if depth else ""
+
+
 def main(argv: list[str] | None = None) -> int:
   """`python -m jaxtrain.interop.hf import|export ...`; the command line is parsed in hf_cli.py."""
   from jaxtrain.interop import hf_cli  # pylint: disable=import-outside-toplevel

@@ -11,7 +11,7 @@ import sys
 
 from jaxtrain.config import ConfigError
 from jaxtrain.interop import hf_config
-from jaxtrain.interop.hf import export_command, import_command
+from jaxtrain.interop.hf import export_command, import_command, left_out_of_export
 from jaxtrain.interop.hf_config import HFFormatError
 
 
@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
       files = export_command(args.checkpoint, args.config, args.out, args.dtype, max_bytes,
                              args.rope_spelling, args.overwrite)
       print(f"wrote {os.path.abspath(args.out)}: {', '.join(files)}")
+      if left_out := left_out_of_export(args.checkpoint, args.config):
+        print(f"not exported: {left_out}")
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

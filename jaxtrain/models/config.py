@@ -74,6 +74,8 @@ class Architecture:
   kv_lora_rank: int = 0
   qk_rope_head_dim: int = 0
   v_head_dim: int = 0
+  # Multi-token prediction modules after the layers (models/mtp.py; DeepSeek-V3: 1).
+  mtp_depth: int = 0
 
   @property
   def features(self) -> Features:
@@ -109,6 +111,8 @@ class Architecture:
       out += (f", latent attention (kv latent {self.kv_lora_rank}, query rank "
               f"{self.q_lora_rank or 'full'}, RoPE on {self.qk_rope_head_dim} of E, values "
               f"{self.v_head_dim})")
+    if self.mtp_depth:
+      out += f", {self.mtp_depth} multi-token prediction module(s)"
     sliding = sum(self.sliding_layers())
     if sliding:
       out += f", window {self.sliding_window} on {sliding} of {self.num_layers} layers"
@@ -141,6 +145,7 @@ class Runtime:
   moe_z_loss_coef: float = 0.0
   moe_seq_aux_loss_coef: float = 0.0
   moe_bias_update_rate: float = 0.0  # router correction biases' balancing step (train_step)
+  mtp_loss_weight: float = 0.0  # the multi-token-prediction losses' weight (train_step)
   # What the model compiles for ("cpu", "gpu", "tpu"): it picks the attention kernel's route.
   # The mesh's devices decide it (train_setup.build), not the process's default backend, so a
   # CPU process compiles the GPU or TPU program for a deviceless target.
@@ -239,7 +244,8 @@ class ModelConfig:
                       moe_aux_loss_coef=float(moe.aux_loss_coef),
                       moe_z_loss_coef=float(moe.router_z_loss_coef),
                       moe_seq_aux_loss_coef=float(moe.get("seq_aux_loss_coef", 0.0)),
-                      moe_bias_update_rate=float(moe.get("bias_update_rate", 0.0)))
+                      moe_bias_update_rate=float(moe.get("bias_update_rate", 0.0)),
+                      mtp_loss_weight=float(m.get("mtp_loss_weight", 0.0)))
     parallel = Parallelism(context_parallel=a.context_parallel,
                            context_load_balance=bool(a.load_balance),
                            pipeline_microbatches=p.microbatches, pipeline_repeats=p.repeats,
@@ -290,7 +296,7 @@ def architecture_of(config) -> Architecture:
       if key in moe_group:
         moe[key] = kind(moe_group[key])
   mla = {key: int(m[key]) for key in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
-                                      "v_head_dim") if key in m}
+                                      "v_head_dim", "mtp_depth") if key in m}
   return Architecture(**moe, **mla,
       family=m.family, vocab_size=m.vocab_size, num_layers=m.num_layers, d_model=m.d_model,
       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,

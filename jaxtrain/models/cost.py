@@ -51,9 +51,17 @@ def _layers_matmul_params(arch, active: bool) -> int:
              for moe in arch.moe_layers())
 
 
+def _mtp_matmul_params(arch, active: bool) -> int:
+  """Each multi-token-prediction module's projections: [2D, D] and its block's (an MoE block
+  when the model has experts)."""
+  block = _attention_params(arch) + _ffn_params(arch, bool(arch.num_experts), active)
+  return arch.mtp_depth * (2 * arch.d_model * arch.d_model + block)
+
+
 def param_count(arch, active: bool = False) -> int:
   """Parameters of the model: embedding V*D; per layer the projections, 2 norm scales of D (4 with
-  sandwich norms), q/k norms of E each, q/k/v biases; final norm D; head D*V unless tied.
+  sandwich norms), q/k norms of E each, q/k/v biases; final norm D; head D*V unless tied; each
+  multi-token-prediction module's projections, its block's norms and its own three norms.
   `active`: an MoE model's parameters one token uses (its k experts of each MoE layer)."""
   features = arch.features
   d, e = arch.d_model, arch.head_dim
@@ -65,16 +73,20 @@ def param_count(arch, active: bool = False) -> int:
   per_layer += arch.q_lora_rank + arch.kv_lora_rank  # latent attention's norms of its ranks
   # DeepSeek's router correction bias, one per expert of each MoE layer (not trained by the
   # optimizer, but part of the model).
-  biases = arch.num_experts * sum(arch.moe_layers()) if arch.router_bias else 0
+  moe_layers = sum(arch.moe_layers()) + (arch.mtp_depth if arch.num_experts else 0)
+  biases = arch.num_experts * moe_layers if arch.router_bias else 0
   head = 0 if arch.tie_embeddings else d * arch.vocab_size
+  mtp = arch.mtp_depth * (per_layer + 3 * d) + _mtp_matmul_params(arch, active)
   return (arch.vocab_size * d + arch.num_layers * per_layer + _layers_matmul_params(arch, active)
-          + biases + d + head)
+          + biases + d + head + mtp)
 
 
 def matmul_params(arch) -> int:
   """N_matmul: every layer's projections (an MoE layer's active ones) plus the output head
-  (once, tied or not)."""
-  return _layers_matmul_params(arch, active=True) + arch.d_model * arch.vocab_size
+  (once, tied or not); per multi-token-prediction module its projections and the head again."""
+  head = arch.d_model * arch.vocab_size
+  return (_layers_matmul_params(arch, active=True) + head
+          + _mtp_matmul_params(arch, active=True) + arch.mtp_depth * head)
 
 
 def keys_per_query(seq_len: int, window: int | None) -> float:
@@ -92,6 +104,7 @@ def flops_per_token(arch, seq_len: int) -> float:
   window = arch.sliding_window or None
   visible = sum(keys_per_query(seq_len, window if sliding else None)
                 for sliding in arch.sliding_layers())
+  visible += arch.mtp_depth * keys_per_query(seq_len, None)  # the modules' blocks
   # QK^T over the query/key head dim, AV over the values' (latent attention's differ).
   score_and_mix = arch.head_dim + (arch.v_head_dim or arch.head_dim)
   return 6.0 * matmul_params(arch) + 6.0 * arch.num_heads * score_and_mix * visible

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.models import moe
+from jaxtrain.models import moe, mtp
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.layers import Block, attention_class, norm, param
 from jaxtrain.models.remat import remat_policy
@@ -87,6 +87,8 @@ class Decoder(nnx.Module):
     else:
       self.layers = nnx.List([Block(cfg, rngs, s, m) for s, m in zip(sliding, moe)])
     self.final_norm = norm(cfg, a.d_model)
+    if a.mtp_depth:  # multi-token prediction (models/mtp.py), after the layers in tree order
+      self.mtp = nnx.List([mtp.PredictionModule(cfg, rngs) for _ in range(a.mtp_depth)])
     if not a.tie_embeddings:
       self.head_DV = param(rngs, (a.d_model, a.vocab_size), ("embed", "vocab"), a.init_std,
                            jnp.dtype(cfg.runtime.param_dtype))
@@ -150,6 +152,16 @@ class Decoder(nnx.Module):
     An MoE model reports its layers' router statistics to the objective that collects them
     (models/moe.collect_router_stats).
     """
+    return self._forward(tokens_BT, positions_BT, segment_ids_BT, dropout_key)[0]
+
+  def hidden_states_with_predictions(self, tokens_BT, positions_BT=None, segment_ids_BT=None,
+                                     *, dropout_key=None) -> tuple[jax.Array, list[jax.Array]]:
+    """`hidden_states`, and the multi-token-prediction modules' normed states [B, T, D], one
+    per depth (models/mtp.py: depth k's position t predicts the main model's target at
+    t + k); their router statistics are reported with the main layers'."""
+    return self._forward(tokens_BT, positions_BT, segment_ids_BT, dropout_key, predictions=True)
+
+  def _forward(self, tokens_BT, positions_BT, segment_ids_BT, dropout_key, predictions=False):
     cfg = self.cfg
     b, t = tokens_BT.shape
     if positions_BT is None:
@@ -172,9 +184,18 @@ class Decoder(nnx.Module):
                                                   layer_inputs, stack_options(cfg))
       if layer_stats:
         stats.append(layer_stats)
+    states = []
+    if predictions:
+      h_BTD = x_BTD
+      for k, module in enumerate(self.mtp, start=1):
+        emb_BTD = self._embed(table_VD, mtp.shift_left(tokens_BT, k))
+        h_BTD, module_stats = module(h_BTD, emb_BTD, positions_BT, segment_ids_BT)
+        if module_stats:  # one layer's: stacked as a layer of its own, after the main ones
+          stats.append(jax.tree.map(lambda v: v[None], module_stats))
+        states.append(module.post_norm(h_BTD))
     if stats:
       moe.report_router_stats(jax.tree.map(lambda *s: jnp.concatenate(s), *stats))
-    return self.final_norm(x_BTD)
+    return self.final_norm(x_BTD), states
 
   def empty_cache(self, batch: int, length: int) -> dict[str, jax.Array]:
     """A cache for `batch` rows of `length` positions, each entry stacked over the layers: keys

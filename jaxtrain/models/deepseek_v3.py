@@ -34,6 +34,7 @@ FAMILY = Family(
                       "rope_interleave": True, "pretraining_tp": 1},
     # LoRA on MLA's output projection and on the MLPs (dense, shared and every expert).
     lora_targets=("o", "gate", "up", "down"),
+    multi_token_prediction=True,
     summary="DeepSeek-V3: latent attention, sigmoid-routed experts with shared experts",
     hf_experts=ExpertNames(block="mlp", router="gate", gate="gate_proj", up="up_proj",
                            down="down_proj", num_experts_key="n_routed_experts",

@@ -81,3 +81,5 @@ class Family:
   summary: str = ""
   # A Mixture-of-Experts family (its models have moe.num_experts > 0): its checkpoint names.
   hf_experts: ExpertNames | None = None
+  # Whether its models may have multi-token-prediction modules (model.mtp_depth > 0).
+  multi_token_prediction: bool = False

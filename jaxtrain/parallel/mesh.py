@@ -52,6 +52,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # query rank of q_b, the key/value rank of kv_b), so FSDP splits those weights too; not
     # over `expert` as well: the ranks (1536, 512) are smaller than D and would not divide.
     ("latent", None),
+    # Multi-token prediction's projection [2D, D] (models/mtp.py): its input is two D halves.
+    ("mtp_in", None),
     ("q_latent", ("fsdp", "context")),
     ("kv_latent", ("fsdp", "context")),
     # MoE experts [X, D, F]: the experts split over `expert`; inside an expert, D is stored
