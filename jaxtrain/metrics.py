@@ -347,6 +347,8 @@ class MetricsWriter:
     if "moe_aux_loss" in m:  # MoE: the router's balance (1 = even) and its busiest expert
       parts.append(f"aux {_fmt(m['moe_aux_loss'], '.3f')} max load "
                    f"{_fmt(m['moe_max_load'], '.2f')}")
+    if "mtp_loss" in m:  # multi-token prediction: the modules' mean loss (not in `loss` alone)
+      parts.append(f"mtp {_fmt(m['mtp_loss'], '.4f')}")
     if "moe_dropped_fraction" in m:
       dropped = _float_or_none(m["moe_dropped_fraction"])
       parts.append("dropped n/a" if dropped is None else f"dropped {100 * dropped:.1f}%")

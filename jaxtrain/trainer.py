@@ -27,7 +27,7 @@ from jaxtrain import preflight
 from jaxtrain.health import LossSpikeDetector, check_bad_streak
 from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.mesh import DCN_AXES, MeshShape, make_mesh
-from jaxtrain.models import moe
+from jaxtrain.models import moe, mtp
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.objectives import Objective
 from jaxtrain.rewards import RewardError
@@ -412,7 +412,8 @@ def _log(writer, meter: _Throughput, spikes: LossSpikeDetector, step: int, devic
             "grad_norm": m["grad_norm"], **meter.measure(step), "tokens": m["tokens"],
             "skipped": m["skipped"], "skipped_steps": skipped_steps,
             "loss_spikes": spikes.spikes}
-  record.update({k: m[k] for k in metric_names + moe.METRIC_NAMES if k in m})
+  record.update({k: m[k] for k in metric_names + moe.METRIC_NAMES + mtp.METRIC_NAMES
+                 if k in m})
   if writer:
     writer.write_train(step, record)
   return {"loss": m["loss"]}

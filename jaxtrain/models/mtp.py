@@ -26,6 +26,9 @@ from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.layers import Block, norm, param
 from jaxtrain.parallel.mesh import shard
 
+# What the language-model objective reports per step from the modules (metrics.jsonl).
+METRIC_NAMES = ("mtp_loss",)
+
 
 class PredictionModule(nnx.Module):
   """One depth of multi-token prediction: two norms, the [2D, D] projection, a decoder block
