@@ -30,5 +30,6 @@ def get_config():
   moe = c.moe
   moe.num_experts, moe.dense_layers = 384, "0"
   moe.n_group, moe.topk_group, moe.routed_scaling_factor = 1, 1, 2.827
+  m.mtp_depth = 0  # no multi-token-prediction layer (num_nextn_predict_layers: 0)
   c.mesh.expert, c.mesh.fsdp, c.mesh.dcn_fsdp = 8, 128, 128
   return c

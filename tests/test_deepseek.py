@@ -160,25 +160,28 @@ def test_generation_from_the_latent_cache_equals_the_forward_pass(q_lora_rank, y
   np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=1e-5, rtol=0)
 
 
-def _mtp_model(depth):
+@pytest.fixture(scope="module")
+def two_depths():
+  """deepseek_tiny's model with two prediction modules, and its forward jitted once."""
   from jaxtrain.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
   from jaxtrain.sharding import create_model  # pylint: disable=import-outside-toplevel
   c = _deepseek_tiny()
-  c.model.mtp_depth = depth
-  return c, create_model(ModelConfig.from_config(c, platform="cpu"), mesh_of({}), seed=0)
+  c.model.mtp_depth = 2
+  model = create_model(ModelConfig.from_config(c, platform="cpu"), mesh_of({}), seed=0)
+  return c, model, nnx.jit(type(model).hidden_states_with_predictions)
 
 
-def test_each_prediction_depth_sees_one_more_token_and_no_later_one():
+def test_each_prediction_depth_sees_one_more_token_and_no_later_one(two_depths):
   """Depth k's state at position t combines the main model's state at t with token t + k: it
   changes when token t + k does and not for any later token (in the main model, position t
   sees tokens up to t only)."""
-  _, model = _mtp_model(2)
+  _, model, forward = two_depths
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 24)), jnp.int32)
   changed = tokens.at[:, 12].set((tokens[:, 12] + 1) % 256)
-  main, states = model.hidden_states_with_predictions(tokens)
-  main2, states2 = model.hidden_states_with_predictions(changed)
-  np.testing.assert_allclose(np.asarray(main), np.asarray(model.hidden_states(tokens)),
-                             atol=1e-6)
+  main, states = forward(model, tokens)
+  main2, states2 = forward(model, changed)
+  np.testing.assert_allclose(np.asarray(main), np.asarray(nnx.jit(type(model).hidden_states)(
+      model, tokens)), atol=1e-6)
   for k, (a, b) in enumerate(zip(states, states2), start=1):
     differs = np.abs(np.asarray(a) - np.asarray(b)).max(axis=(0, 2)) > 1e-6
     # The first position that sees token 12 at depth k is 12 - k.
@@ -186,16 +189,17 @@ def test_each_prediction_depth_sees_one_more_token_and_no_later_one():
   assert not (np.abs(np.asarray(main) - np.asarray(main2)).max(axis=(0, 2))[:12] > 1e-6).any()
 
 
-def test_prediction_losses_are_each_depths_cross_entropy_within_documents():
+def test_prediction_losses_are_each_depths_cross_entropy_within_documents(two_depths):
   """mtp_loss (and the loss's extra weight/D times the depths' sum) from dense logits of each
   depth's states against the targets k places on, masked where they leave the document."""
   from jaxtrain.train_step import loss_sum_fn  # pylint: disable=import-outside-toplevel
-  c, model = _mtp_model(2)
+  c, model, forward = two_depths
   batch = {k: jnp.asarray(v) for k, v in packed_batch(4, 32, 256, seed=3).items()}
   graphdef, params = nnx.split(model)
-  loss_sum, count, metrics = loss_sum_fn(params, graphdef, batch, 32)
-  _, states = model.hidden_states_with_predictions(batch["inputs"], batch["positions"],
-                                                   batch["segment_ids"])
+  losses = jax.jit(lambda p, b, training: loss_sum_fn(p, graphdef, b, 32, training=training),
+                   static_argnums=2)
+  loss_sum, count, metrics = losses(params, batch, True)
+  _, states = forward(model, batch["inputs"], batch["positions"], batch["segment_ids"])
   w = np.asarray(model.head_DV[...], np.float64)
   targets, mask, seg = (np.asarray(batch[k]) for k in ("targets", "loss_mask", "segment_ids"))
   means = []
@@ -213,7 +217,7 @@ def test_prediction_losses_are_each_depths_cross_entropy_within_documents():
     means.append(total / n)
   np.testing.assert_allclose(float(metrics["mtp_loss"]) / float(count), np.mean(means),
                              rtol=2e-5)
-  without = loss_sum_fn(params, graphdef, batch, 32, training=False)[0]
+  without = losses(params, batch, False)[0]
   router = float(metrics["moe_seq_aux_loss"]) / float(count) * c.moe.seq_aux_loss_coef
   np.testing.assert_allclose((float(loss_sum) - float(without)) / float(count),
                              c.model.mtp_loss_weight / 2 * sum(means) + router, rtol=1e-4)
