@@ -13,7 +13,7 @@ busiest expert still took 3.81x the mean load at step 200, measured without the 
 module), so the demo steps 0.01: the busiest expert's load over the mean goes from 3.17x at
 step 20 to 1.29x at step 200 (eval 1.25x; with no balancing 3.92x), eval loss 2.2140 against
 2.2766 unbalanced, and the prediction module's eval loss (two tokens ahead) 2.0460. No download;
-trains on the Python standard library's bytes like tiny.py (about 2 minutes on 2 cores).
+trains on the Python standard library's bytes like tiny.py (under 3 minutes on 2 cores).
 
 Expert parallelism on emulated devices (the experts split 4 ways, the batch 2 ways):
 

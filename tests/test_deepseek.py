@@ -168,7 +168,13 @@ def two_depths():
   c = _deepseek_tiny()
   c.model.mtp_depth = 2
   model = create_model(ModelConfig.from_config(c, platform="cpu"), mesh_of({}), seed=0)
-  return c, model, nnx.jit(type(model).hidden_states_with_predictions)
+  # Eagerly first, on the weights as created (sharded): the unscanned modules' MoE blocks run
+  # outside jit; the jitted forward must agree.
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 24)), jnp.int32)
+  eager = np.asarray(model.hidden_states_with_predictions(tokens)[1][0])
+  forward = nnx.jit(type(model).hidden_states_with_predictions)
+  np.testing.assert_allclose(np.asarray(forward(model, tokens)[1][0]), eager, atol=1e-5)
+  return c, model, forward
 
 
 def test_each_prediction_depth_sees_one_more_token_and_no_later_one(two_depths):
