@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxtrain.models.moe import is_router_bias
+
 
 def learning_rate_schedule(config) -> optax.Schedule:
   """Learning rate of the update made at optimizer count c (0-based), i.e. of step c + 1.
@@ -34,10 +36,13 @@ def learning_rate_schedule(config) -> optax.Schedule:
 
 
 def weight_decay_mask(params):
-  """True for params that get weight decay: everything but normalization scales."""
+  """True for params that get weight decay: everything but normalization scales and router
+  correction biases. The biases only choose experts, so their gradient is exactly zero and,
+  without decay, Adam leaves them exactly as they are; the train step moves them
+  (models/moe.balance_router_biases)."""
   def decays(path, _):
     names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-    return not any("norm" in n for n in names)
+    return not any("norm" in n for n in names) and not is_router_bias(path)
   return jax.tree_util.tree_map_with_path(decays, params)
 
 

@@ -51,10 +51,13 @@ def merge_model(graphdef, params, frozen: Frozen | None = None):
   return nnx.merge(graphdef, params, jax.tree.map(lambda x: x, frozen.base))
 
 
-def _hidden_states(model, batch: Batch, dropout_key):
+def _hidden_states(model, batch: Batch, dropout_key, *, predictions: bool = False):
+  """model.hidden_states of the batch, or with `predictions` (multi-token prediction)
+  model.hidden_states_with_predictions."""
   # The key is passed only when dropout is on, so models without it keep their signature.
   kwargs = {} if dropout_key is None else {"dropout_key": dropout_key}
-  return model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"], **kwargs)
+  forward = model.hidden_states_with_predictions if predictions else model.hidden_states
+  return forward(batch["inputs"], batch["positions"], batch["segment_ids"], **kwargs)
 
 
 def router_terms(model, router_passes: list[dict], count, *, training: bool = True):
@@ -84,9 +87,7 @@ def loss_sum_fn(params, graphdef, batch: Batch, loss_chunk_size: int, frozen=Non
   batch = model.sequence_layout(batch)
   with moe.collect_router_stats() as router_passes:
     if model.cfg.arch.mtp_depth:
-      kwargs = {} if dropout_key is None else {"dropout_key": dropout_key}
-      x_BTD, predictions = model.hidden_states_with_predictions(
-          batch["inputs"], batch["positions"], batch["segment_ids"], **kwargs)
+      x_BTD, predictions = _hidden_states(model, batch, dropout_key, predictions=True)
     else:
       x_BTD, predictions = _hidden_states(model, batch, dropout_key), []
   w, vocab_axis = model.head()
@@ -225,9 +226,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
 
   `bias_update_rate` (moe.bias_update_rate; DeepSeek's routers when their biases train): after
   the update, each router bias moves against its experts' load error in this step's batch
-  (models/moe.balance_router_biases). The optimizer's own change to router biases (their
-  gradient is zero: they only choose experts; weight decay would shrink them) is always
-  discarded.
+  (models/moe.balance_router_biases). The optimizer leaves them as they are: their gradient
+  is zero (they only choose experts) and weight decay skips them (optim.weight_decay_mask).
   """
   grad_fn = make_grad_fn(graphdef, grad_accum_steps=grad_accum_steps,
                          loss_chunk_size=loss_chunk_size, param_shardings=param_shardings,
@@ -246,10 +246,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     old_opt_state = jax.device_put(state.opt_state, jax.memory.Space.Device)
     updates, opt_state = tx.update(grads, old_opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    if load_LX is not None:  # a model with router biases: the optimizer's change undone
-      params = _with_router_biases_of(params, state.params)
-      if bias_update_rate > 0:
-        params = moe.balance_router_biases(params, load_LX, bias_update_rate)
+    if load_LX is not None and bias_update_rate > 0:
+      params = moe.balance_router_biases(params, load_LX, bias_update_rate)
     # A NaN/Inf loss or gradient skips the update (params and optimizer state unchanged) rather
     # than poisoning the weights; the trainer stops after too many in a row.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -269,12 +267,6 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                          bad_streak=bad_streak), metrics
 
   return train_step
-
-
-def _with_router_biases_of(params, old_params):
-  """`params` with the router biases of `old_params` (the optimizer's change to them undone)."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, new, old: old if moe.is_router_bias(path) else new, params, old_params)
 
 
 def make_eval_step(graphdef, loss_chunk_size: int = 512, *, objective: str = "lm",

@@ -15,6 +15,7 @@ from jaxtrain import train_setup, trainer
 from jaxtrain.config import load_config_file
 from jaxtrain.models import moe
 from jaxtrain.parallel.expert_parallel import Sequences
+from tests.moe_helpers import on_short_rows, with_changes
 from tests.helpers import (REPO, assert_curves_close, assert_one_line_config_error, mesh_of,
                            packed_batch, train_curves)
 
@@ -22,13 +23,7 @@ DEEPSEEK_TINY = os.path.join(REPO, "configs", "deepseek_tiny.py")
 
 
 def _deepseek_tiny(**mesh):
-  c = load_config_file(DEEPSEEK_TINY)
-  c.train.seq_len, c.train.global_batch_size, c.train.loss_chunk_size = 64, 8, 64
-  c.model.max_position_embeddings = 64
-  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 1, 1
-  for axis, size in mesh.items():
-    setattr(c.mesh, axis, size)
-  return c
+  return on_short_rows(DEEPSEEK_TINY, **mesh)
 
 
 def test_biases_move_against_each_layers_load_error():
@@ -126,11 +121,7 @@ def test_expert_parallel_training_equals_one_device_for_20_steps(one_device_curv
     ({"model.kv_lora_rank": 0}, ["model.q_lora_rank=48", "model.kv_lora_rank=0"]),
 ])
 def test_bad_deepseek_settings_are_one_line_errors(changes, words):
-  c = _deepseek_tiny()
-  for key, value in changes.items():
-    group, name = key.split(".")
-    setattr(c[group], name, value)
-  assert_one_line_config_error(c, 1, words)
+  assert_one_line_config_error(with_changes(_deepseek_tiny(), changes), 1, words)
 
 
 @pytest.mark.parametrize("q_lora_rank,yarn", [(48, False), (0, True)])
@@ -240,15 +231,11 @@ def test_prediction_losses_are_each_depths_cross_entropy_within_documents(two_de
     ({"model.mtp_loss_weight": -0.5}, ["model.mtp_loss_weight=-0.5", ">= 0"]),
 ])
 def test_bad_prediction_settings_are_one_line_errors(changes, words):
-  c = _deepseek_tiny()
-  for key, value in changes.items():
-    group, name = key.split(".")
-    setattr(c[group], name, value)
-  assert_one_line_config_error(c, 1, words)
+  assert_one_line_config_error(with_changes(_deepseek_tiny(), changes), 1, words)
 
 
-def test_export_says_it_leaves_the_prediction_modules_out(tmp_path):
+def test_export_says_it_leaves_the_prediction_modules_out():
   from jaxtrain.interop import hf  # pylint: disable=import-outside-toplevel
-  said = hf.left_out_of_export(str(tmp_path), DEEPSEEK_TINY)
+  said = hf.left_out_of_export(load_config_file(DEEPSEEK_TINY))
   assert said.startswith("1 multi-token prediction module(s)") and "not written" in said
-  assert hf.left_out_of_export(str(tmp_path), os.path.join(REPO, "configs", "tiny.py")) == ""
+  assert hf.left_out_of_export(load_config_file(os.path.join(REPO, "configs", "tiny.py"))) == ""

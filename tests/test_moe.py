@@ -14,6 +14,7 @@ from jaxtrain.models.config import Architecture
 from jaxtrain.models.moe import Routing, moe_layer
 from jaxtrain.parallel.mesh import logical_to_spec
 from tests.helpers import assert_one_line_config_error, mesh_of, small_config
+from tests.moe_helpers import with_changes
 
 X, D, F, B, T, K = 8, 16, 24, 8, 12, 2
 
@@ -267,11 +268,7 @@ def _moe_config(**moe):
      ["model.family='qwen3_moe'", "moe.num_experts > 0"]),
 ])
 def test_bad_moe_settings_are_one_line_errors(changes, devices, words):
-  c = _moe_config()
-  for key, value in changes.items():
-    group, name = key.split(".")
-    setattr(c[group], name, value)
-  assert_one_line_config_error(c, devices, words)
+  assert_one_line_config_error(with_changes(_moe_config(), changes), devices, words)
 
 
 @pytest.mark.parametrize("name,total,active", [

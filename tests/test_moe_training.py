@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.config import load_config_file
 from jaxtrain.dryrun import measure, targets
 from jaxtrain.grouped_matmul import resolve_impl
 from jaxtrain.interop import hf
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import create_model
+from tests.moe_helpers import on_short_rows
 from tests.helpers import (REPO, absl_cli_module, assert_curves_close, cli_curves, mesh_of,
                           metrics_records, run_cli, run_entry, train_curves)
 
@@ -27,13 +27,7 @@ SHORT = ("--config.train.seq_len=64", "--config.train.global_batch_size=8",
 
 
 def _moe_tiny(**mesh):
-  c = load_config_file(MOE_TINY)
-  c.train.seq_len, c.train.global_batch_size, c.train.loss_chunk_size = 64, 8, 64
-  c.model.max_position_embeddings = 64
-  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 1, 1
-  for axis, size in mesh.items():
-    setattr(c.mesh, axis, size)
-  return c
+  return on_short_rows(MOE_TINY, **mesh)
 
 
 @pytest.fixture(scope="module")

@@ -438,8 +438,10 @@ def import_command(hf_dir: str, out: str, dtype: str = "float32") -> str:
 
 def export_command(checkpoint: str, config_path: str | None, out: str, dtype: str | None = None,
                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                   rope_spelling: str = "rope_parameters", overwrite: bool = False) -> list[str]:
-  """Exports a run's checkpoint or a weights directory as a Hugging Face directory."""
+                   rope_spelling: str = "rope_parameters",
+                   overwrite: bool = False) -> tuple[list[str], str]:
+  """Exports a run's checkpoint or a weights directory as a Hugging Face directory: (the files
+  written, what the export leaves out or "")."""
   # pylint: disable-next=import-outside-toplevel
   from jaxtrain.run_weights import load_plain_model, plain_run_config
 
@@ -463,21 +465,15 @@ def export_command(checkpoint: str, config_path: str | None, out: str, dtype: st
   cfg = ModelConfig.from_config(config)
   # A LoRA run's adapters are merged into its base here: the export is the plain model.
   model, _ = load_plain_model(checkpoint, config, _host_mesh(cfg))
-  return save_model(model, plain_run_config(config), out, dtype=dtype,
-                    max_file_bytes=max_file_bytes, rope_spelling=rope_spelling,
-                    overwrite=overwrite)
+  files = save_model(model, plain_run_config(config), out, dtype=dtype,
+                     max_file_bytes=max_file_bytes, rope_spelling=rope_spelling,
+                     overwrite=overwrite)
+  return files, left_out_of_export(config)
 
 
-def left_out_of_export(checkpoint: str, config_path: str | None) -> str:
-  """What an export of `checkpoint` does not write (its multi-token-prediction modules: the
-  exported config.json says num_nextn_predict_layers=0), or ""."""
-  from jaxtrain.checkpoint import saved_config  # pylint: disable=import-outside-toplevel
-  path = config_path or os.path.join(checkpoint, "config.py")
-  try:
-    config = (load_config_file(path) if os.path.isfile(path)
-              else ml_collections.ConfigDict(saved_config(checkpoint)))
-  except ConfigError:
-    return ""
+def left_out_of_export(config) -> str:
+  """What an export of a run of `config` does not write (its multi-token-prediction modules:
+  the exported config.json says num_nextn_predict_layers=0), or ""."""
   depth = int(config.model.get("mtp_depth", 0))
   return (f"{depth} multi-token prediction module(s) (model.mtp_depth): trained here, not "
           f"written to the Hugging Face directory") if depth else ""

@@ -11,7 +11,7 @@ import sys
 
 from jaxtrain.config import ConfigError
 from jaxtrain.interop import hf_config
-from jaxtrain.interop.hf import export_command, import_command, left_out_of_export
+from jaxtrain.interop.hf import export_command, import_command
 from jaxtrain.interop.hf_config import HFFormatError
 
 
@@ -75,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
       except ValueError:
         raise HFFormatError(f"--max_shard_size={args.max_shard_size!r}: expected a size such "
                             f"as 5GB or 500MB") from None
-      files = export_command(args.checkpoint, args.config, args.out, args.dtype, max_bytes,
-                             args.rope_spelling, args.overwrite)
+      files, left_out = export_command(args.checkpoint, args.config, args.out, args.dtype,
+                                       max_bytes, args.rope_spelling, args.overwrite)
       print(f"wrote {os.path.abspath(args.out)}: {', '.join(files)}")
-      if left_out := left_out_of_export(args.checkpoint, args.config):
+      if left_out:
         print(f"not exported: {left_out}")
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
