@@ -23,7 +23,7 @@ from jaxtrain.sharding import abstract_model, init_params
 from jaxtrain.train_step import loss_sum_fn
 from jaxtrain.train_setup import build, init_state
 from jaxtrain.trainer import to_global_batch
-from tests.helpers import DRY_RUN_LAST_LINE as LAST_LINE
+from tests.dry_run_helpers import DRY_RUN_LAST_LINE as LAST_LINE
 from tests.helpers import mesh_of, packed_batch, run_cli, run_main, small_config
 
 # Memory sizes the verdicts are for: one nothing fits on (judged first), one everything small

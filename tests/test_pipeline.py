@@ -11,8 +11,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxtrain.parallel import pipeline as pp
+from tests.dry_run_helpers import run_dry_run
 from tests.helpers import (assert_curves_close, assert_one_line_config_error, cli_curves,
-                           dpo_pair_batch, lora_config, mesh_of, run_dry_run, small_config,
+                           dpo_pair_batch, lora_config, mesh_of, small_config,
                            train_curves)
 
 D, L = 16, 8

@@ -17,7 +17,8 @@ import pytest
 from jaxtrain.config import ConfigError, load_config_file
 from jaxtrain.dryrun import command, measure, targets
 from jaxtrain.parallel.mesh import platform_of_backend
-from tests.helpers import DRY_RUN_LAST_LINE, REPO, run_cli, run_dry_run, run_main
+from tests.dry_run_helpers import DRY_RUN_LAST_LINE, run_dry_run
+from tests.helpers import REPO, run_cli, run_main
 
 
 @pytest.mark.parametrize("name,compiler,num_devices,chip", [

@@ -7,7 +7,7 @@ reads every field that changes the forward pass and refuses, in one line naming 
 the supported values, what our decoder cannot run (another activation, biases the family has
 none of, RoPE types other than default, llama3 and linear, logit softcapping, bidirectional
 attention, partial rotary, quantized weights) rather than converting into a model that silently
-computes something else. RoPE parameters come in two spellings, both read here:
+computes something else. RoPE parameters come in two spellings, both read (hf_rope.py):
 
   transformers >= 5:  "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
                         "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -40,10 +40,10 @@ import ml_collections
 from jaxtrain.config import default_config
 from jaxtrain.interop import hf_deepseek
 from jaxtrain.interop.hf_errors import HFFormatError
+from jaxtrain.interop.hf_rope import HF_LAYER_TYPES, field, rope_of
 from jaxtrain.models import registry
 from jaxtrain.models.config import FULL, SLIDING
 from jaxtrain.models.features import Family
-from jaxtrain.models.rope import YARN_KEYS
 
 # Defaults every family's config class shares (the family's hf_defaults come on top).
 COMMON_DEFAULTS = {
@@ -51,17 +51,8 @@ COMMON_DEFAULTS = {
     "attention_bias": False,
     "mlp_bias": False,
 }
-HF_DEFAULT_ROPE_THETA = 10000.0
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads")
-LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-               "original_max_position_embeddings")
-# What a YaRN entry leaves out takes transformers' default (the original length:
-# max_position_embeddings; mscales unset).
-YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.0, "mscale_all_dim": 0.0}
-ROPE_TYPES = ("default", "llama3", "linear", "yarn")
-# Hugging Face layer types <-> ours.
-HF_LAYER_TYPES = {"full_attention": FULL, "sliding_attention": SLIDING}
 OUR_LAYER_TYPES = {ours: theirs for theirs, ours in HF_LAYER_TYPES.items()}
 # Features.mlp_activation -> (the hidden_act transformers names it by, the MLP's name).
 HF_ACTIVATIONS = {"silu": ("silu", "SwiGLU"), "gelu_tanh": ("gelu_pytorch_tanh", "GeGLU")}
@@ -89,12 +80,6 @@ def read_hf_config(directory: str) -> dict[str, Any]:
   if not isinstance(hf, dict):
     raise HFFormatError(f"{path}: expected a JSON object, got {type(hf).__name__}")
   return hf
-
-
-def _field(hf: dict, key: str, default: Any = None) -> Any:
-  """hf[key], the default when absent or null (transformers treats null as unset)."""
-  value = hf.get(key)
-  return default if value is None else value
 
 
 def family_of(hf: dict) -> Family:
@@ -132,120 +117,6 @@ def text_config(hf: dict) -> dict[str, Any]:
 def defaults_of(family: Family) -> dict[str, Any]:
   """transformers' defaults for the optional fields of the family's config class."""
   return {**COMMON_DEFAULTS, **family.hf_defaults}
-
-
-# --- RoPE ----------------------------------------------------------------------------------------
-
-
-def _rope_without_theta(params) -> dict | None:
-  """A RoPE dict compared across spellings: "type" read as "rope_type", theta aside."""
-  if not isinstance(params, dict):
-    return params
-  out = {("rope_type" if k == "type" else k): v for k, v in params.items() if k != "rope_theta"}
-  out.setdefault("rope_type", "default")
-  return out
-
-
-def _check_partial(value) -> None:
-  if value is not None and float(value) != 1.0:
-    raise HFFormatError(f"config.json partial_rotary_factor={value}: unsupported; jaxtrain "
-                        f"rotates the whole head dim (1.0)")
-
-
-def _rope_entry(params: dict, where: str, theta: float, max_positions: int
-                ) -> tuple[float, dict[str, Any] | None]:
-  """(theta, scaling dict with "type", or None) of one RoPE dict; `where` names it."""
-  if not isinstance(params, dict):
-    raise HFFormatError(f"config.json {where}={params!r}: expected an object")
-  theta = params.get("rope_theta", theta)
-  rope_type = params.get("rope_type", params.get("type", "default"))
-  _check_partial(params.get("partial_rotary_factor"))
-  if rope_type == "default":
-    return float(theta), None
-  if rope_type not in ROPE_TYPES:
-    raise HFFormatError(f"config.json {where}.rope_type={rope_type!r}: unsupported; jaxtrain "
-                        f"implements {', '.join(repr(t) for t in ROPE_TYPES)} RoPE")
-  keys = {"llama3": LLAMA3_KEYS, "yarn": YARN_KEYS}.get(rope_type, ("factor",))
-  scaling = {"type": rope_type}
-  if rope_type == "yarn":
-    _check_yarn_extras(params, where)
-  for key in keys:
-    value = params.get(key)
-    if value is None and key == "original_max_position_embeddings":
-      value = max_positions  # what transformers assumes when a config leaves it out
-    if value is None and rope_type == "yarn":
-      value = YARN_DEFAULTS.get(key)
-    if value is None:
-      raise HFFormatError(f"config.json {where}.{key}: missing; {rope_type} RoPE needs "
-                          f"{', '.join(keys)}")
-    scaling[key] = value
-  if float(scaling["factor"]) <= 0:
-    raise HFFormatError(f"config.json {where}.factor={scaling['factor']}: must be positive")
-  return float(theta), scaling
-
-
-def _check_yarn_extras(params: dict, where: str) -> None:
-  """YaRN fields jaxtrain does not implement: refused rather than dropped."""
-  for key, unset in (("attention_factor", None), ("truncate", True)):
-    if params.get(key, unset) != unset:
-      raise HFFormatError(f"config.json {where}.{key}={params[key]!r}: unsupported; jaxtrain's "
-                          f"YaRN derives the attention factor from mscale and rounds the ramp's "
-                          f"ends outward (truncate=true)")
-
-
-def _rope(hf: dict, family: Family, defaults: dict, max_positions: int
-          ) -> tuple[float, dict[str, Any] | None, float]:
-  """(theta, scaling or None, local theta or 0) from either spelling."""
-  _check_partial(hf.get("partial_rotary_factor"))
-  params, spelling = hf.get("rope_parameters"), "rope_parameters"
-  legacy = hf.get("rope_scaling")
-  per_type = "rope_local_base_freq" in defaults  # Gemma 3: a RoPE per layer type
-  if params is not None and not isinstance(params, dict):
-    raise HFFormatError(f"config.json rope_parameters={params!r}: expected an object")
-  if legacy is not None and not isinstance(legacy, dict):
-    raise HFFormatError(f"config.json rope_scaling={legacy!r}: expected an object")
-  nested = params is not None and any(isinstance(v, dict) for v in params.values())
-  theta = _field(hf, "rope_theta", defaults.get("rope_theta", HF_DEFAULT_ROPE_THETA))
-  if not per_type:
-    if nested:
-      typed = [f.name for f in registry.FAMILIES.values()
-               if "rope_local_base_freq" in f.hf_defaults]
-      raise HFFormatError(f"config.json rope_parameters={params!r}: RoPE parameters per layer "
-                          f"type are not a {family.name} feature; jaxtrain reads them for "
-                          f"{', '.join(typed)}")
-    if params is None:
-      params, spelling = legacy, "rope_scaling"
-    elif legacy is not None and _rope_without_theta(legacy) != _rope_without_theta(params):
-      # transformers 5 would let rope_scaling win; a file saying two things is better refused.
-      raise HFFormatError(f"config.json rope_scaling={legacy!r} and rope_parameters={params!r}: "
-                          f"they disagree; keep one of them")
-    theta, scaling = _rope_entry(params or {}, spelling, theta, max_positions)
-    return theta, scaling, 0.0
-  # Gemma 3, as Gemma3TextConfig.convert_rope_params_to_dict reads it.
-  if params is not None:
-    unknown = sorted(set(params) - set(HF_LAYER_TYPES))
-    if unknown or not nested:
-      raise HFFormatError(f"config.json rope_parameters={params!r}: {family.name} expects one "
-                          f"entry per layer type ({', '.join(HF_LAYER_TYPES)})")
-  params = params or {}
-  full = params.get("full_attention") or {}
-  if legacy is not None:
-    if params.get("full_attention") and (_rope_without_theta(legacy)
-                                         != _rope_without_theta(full)):
-      raise HFFormatError(f"config.json rope_scaling={legacy!r} and "
-                          f"rope_parameters.full_attention={full!r}: they disagree; keep one of "
-                          f"them")
-    full = {**full, **legacy}
-  where = "rope_parameters.full_attention" if params.get("full_attention") else "rope_scaling"
-  theta, scaling = _rope_entry(full, where, theta, max_positions)
-  local = _field(hf, "rope_local_base_freq", defaults["rope_local_base_freq"])
-  local, local_scaling = _rope_entry(params.get("sliding_attention") or {},
-                                     "rope_parameters.sliding_attention", local, max_positions)
-  if local_scaling is not None:
-    raise HFFormatError(f"config.json rope_parameters.sliding_attention.rope_type="
-                        f"{local_scaling['type']!r}: unsupported; jaxtrain's sliding layers use "
-                        f"plain RoPE ('default')")
-  return theta, scaling, local
 
 
 # --- sliding window ---------------------------------------------------------------------------
@@ -292,13 +163,13 @@ def _sliding(hf: dict, family: Family, defaults: dict, num_layers: int
   if scheme == "every":
     return (window or 0), ""
   if scheme == "all":  # Qwen3-MoE: use_sliding_window puts the window on every layer
-    return (window or 0) if _field(hf, "use_sliding_window", False) else 0, ""
+    return (window or 0) if field(hf, "use_sliding_window", False) else 0, ""
   if scheme == "qwen":
-    if not _field(hf, "use_sliding_window", defaults["use_sliding_window"]):
+    if not field(hf, "use_sliding_window", defaults["use_sliding_window"]):
       window = None  # Qwen2Config: no window unless use_sliding_window
     types = _hf_layer_types(hf, num_layers)
     if types is None:
-      first = int(_field(hf, "max_window_layers", defaults["max_window_layers"]))
+      first = int(field(hf, "max_window_layers", defaults["max_window_layers"]))
       types = ["sliding_attention" if window is not None and i >= first else "full_attention"
                for i in range(num_layers)]
   else:  # "typed"
@@ -325,14 +196,14 @@ def _check_supported(hf: dict, family: Family, defaults: dict) -> None:
   """Refuses the fields that change the forward pass and that jaxtrain does not implement."""
   act_key = "hidden_activation" if "hidden_activation" in defaults else "hidden_act"
   want_act, mlp_name = HF_ACTIVATIONS[family.features.mlp_activation]
-  act = _field(hf, act_key, want_act)
+  act = field(hf, act_key, want_act)
   if act != want_act:
     raise HFFormatError(f"config.json {act_key}={act!r}: unsupported; jaxtrain's {family.name} "
                         f"MLP is {mlp_name} ({want_act!r})")
-  if _field(hf, "attention_bias", False) and not family.features.qkv_bias:
+  if field(hf, "attention_bias", False) and not family.features.qkv_bias:
     raise HFFormatError(f"config.json attention_bias={hf['attention_bias']!r}: unsupported; "
                         f"jaxtrain's {family.name} attention has no bias (false)")
-  if _field(hf, "mlp_bias", False):
+  if field(hf, "mlp_bias", False):
     raise HFFormatError(f"config.json mlp_bias={hf['mlp_bias']!r}: unsupported; jaxtrain's MLP "
                         f"has no bias (false)")
   for key in SOFTCAPPING_FIELDS:
@@ -376,7 +247,7 @@ def model_overrides(hf: dict) -> dict[str, Any]:
   _check_supported(hf, family, defaults)
 
   def get(key):
-    return _field(hf, key, defaults.get(key))
+    return field(hf, key, defaults.get(key))
 
   heads = int(get("num_attention_heads"))
   hidden = int(get("hidden_size"))
@@ -399,7 +270,7 @@ def model_overrides(hf: dict) -> dict[str, Any]:
   if int(head_dim) % 2:
     raise HFFormatError(f"config.json head_dim={head_dim}: must be even for rotary embeddings")
   max_positions = int(get("max_position_embeddings"))
-  theta, scaling, local_theta = _rope(hf, family, defaults, max_positions)
+  theta, scaling, local_theta = rope_of(hf, family, defaults, max_positions)
   window, layer_types = _sliding(hf, family, defaults, num_layers)
   query_scalar = 0.0
   if "query_pre_attn_scalar" in defaults:
@@ -454,7 +325,7 @@ def _moe_overrides(hf: dict, family: Family, defaults: dict, num_layers: int) ->
       raise HFFormatError(f"config.json {key}={value!r}: unsupported routing; jaxtrain's "
                           f"{family.name} router is a softmax over the experts then the top k "
                           f"({key}={ours!r})")
-  get = lambda key: _field(hf, key, defaults.get(key))  # noqa: E731
+  get = lambda key: field(hf, key, defaults.get(key))  # noqa: E731
   # transformers 5 saves Qwen3-MoE's num_experts under Mixtral's name, num_local_experts.
   experts = next((hf[k] for k in (names.num_experts_key, "num_local_experts") if k in hf),
                  defaults.get(names.num_experts_key))
