@@ -6,9 +6,10 @@ Target: sixty-four 8-GPU H100 hosts (h100x512). Expert parallelism within each h
 all-to-all over NVLink) and FSDP across the hosts (mesh.fsdp=64 over mesh.dcn_fsdp=64 host
 groups: weight gathers and one gradient reduction per step cross the data-center network,
 all-to-alls never do). Float32 weights and gradients with bfloat16 Adam moments (12 bytes per
-parameter) and `full` remat: what makes it fit. On 256 GPUs (fsdp=32) it needs 72.2 GiB of
-the 71.2 GiB a fit leaves. Global batch 512 x 4096 tokens, one sequence per GPU. `--dry_run`
-gives the figures (docs/performance.md has the table).
+parameter) and `full` remat: what makes it fit (65.3 GiB per GPU). On 256 GPUs (fsdp=32),
+even without the prediction module, it needs 72.2 GiB of the 71.2 GiB a fit leaves. Global
+batch 512 x 4096 tokens, one sequence per GPU. `--dry_run` gives the figures
+(docs/performance.md has the table).
 
 Trained as the paper does: no Switch aux loss; the routers' correction biases move by 0.001
 per step against their experts' load (moe.bias_update_rate); the sequence-wise balance loss at

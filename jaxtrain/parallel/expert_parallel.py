@@ -53,14 +53,14 @@ def all_to_all(x):
 def over_token_shards(body: Callable, x_BTD, mask_BT, router: dict, experts: dict,
                       expert_names: dict):
   """`body(x_ND, mask_N, router, experts, psum, expert_shards, sequences)` on each device's
-  tokens
-  under the current mesh, inside shard_map: x_ND and mask_N this device's tokens (flattened),
-  the router's arrays whole, `experts` ({name: array}, logical axes in `expert_names`) this device's
-  slices: split over `expert` and over `tensor` where their names say so, FSDP's shards
-  gathered on the way in (mesh.gathered_spec). `psum(tree)` sums over the devices holding
-  other tokens; `expert_shards` is E; `sequences` (models/moe.Sequences): this device's rows
-  and the sum over the `context` devices that hold the rest of them. `body` returns (out_ND float32, statistics); the partial
-  outputs of the tensor shards are summed here. Returns (out_BTD in x's dtype, statistics)."""
+  tokens under the current mesh, inside shard_map: x_ND and mask_N this device's tokens
+  (flattened), the router's arrays whole, `experts` ({name: array}, logical axes in
+  `expert_names`) this device's slices: split over `expert` and over `tensor` where their names
+  say so, FSDP's shards gathered on the way in (mesh.gathered_spec). `psum(tree)` sums over the
+  devices holding other tokens; `expert_shards` is E; `sequences` (Sequences above): this
+  device's rows and the sum over the `context` devices that hold the rest of them. `body`
+  returns (out_ND float32, statistics); the partial outputs of the tensor shards are summed
+  here. Returns (out_BTD in x's dtype, statistics)."""
   b, t, d = x_BTD.shape
   mesh = jax.sharding.get_abstract_mesh()
   token_axes = tuple(a for a in BATCH_AXES + ("context",) if a in mesh.axis_names)
