@@ -230,12 +230,14 @@ def load_params(path: str, abstract_params: Any) -> tuple[Any, str]:
   `path` is a weights directory (with params/), a run's checkpoint step directory (with
   state/: only its params are read, never the optimizer state), a run's checkpoints directory
   or its workdir (then the latest complete step). Shapes that differ from the model config fail
-  with the mismatched parameters named."""
+  with the mismatched parameters named. Multi-token-prediction modules the weights hold beyond
+  the model's `mtp_depth` (an imported DeepSeek-V3 fine-tuned without them) are not read."""
   item, subtree = _weights_item(path)
   checkpointer = ocp.PyTreeCheckpointer()
   with _quiet_orbax():  # reading one item of a managed checkpoint: its metadata is a level up
     saved = checkpointer.metadata(item).item_metadata.tree
   saved = saved[subtree] if subtree else saved
+  saved, left_out = _without_extra_prediction_modules(saved, abstract_params)
   mismatches = shape_mismatches(saved, abstract_params)
   if mismatches:
     raise ConfigError(f"checkpoint.init_from={path!r}: the weights in {item} do not match this "
@@ -245,8 +247,27 @@ def load_params(path: str, abstract_params: Any) -> tuple[Any, str]:
   with _quiet_orbax():
     restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=bool(subtree)))
+        partial_restore=bool(subtree) or left_out))
   return (restored[subtree] if subtree else restored), item
+
+
+def _without_extra_prediction_modules(saved: dict, abstract_params) -> tuple[dict, bool]:
+  """(the saved tree without the prediction modules the model has no place for, whether any
+  were left out): Decoder.mtp[k] is saved as mtp/k."""
+  modules = saved.get("mtp") if isinstance(saved, dict) else None
+  if not modules:
+    return saved, False
+  try:
+    depth = len(abstract_params["mtp"])
+  except (KeyError, TypeError):  # no prediction modules in the model
+    depth = 0
+  kept = {k: v for k, v in modules.items() if int(k) < depth}
+  if len(kept) == len(modules):
+    return saved, False
+  trimmed = {k: v for k, v in saved.items() if k != "mtp"}
+  if kept:
+    trimmed["mtp"] = kept
+  return trimmed, True
 
 
 @contextlib.contextmanager

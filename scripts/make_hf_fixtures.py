@@ -222,6 +222,7 @@ CASES: dict[str, Callable[[], None]] = {
     "hf_deepseek_v3": lambda: deepseek.deepseek_v3_case("hf_deepseek_v3", 23, yarn=False),
     "hf_deepseek_v3_yarn": lambda: deepseek.deepseek_v3_case("hf_deepseek_v3_yarn", 24,
                                                              yarn=True),
+    "hf_deepseek_v3_mtp": lambda: deepseek.deepseek_v3_mtp_case("hf_deepseek_v3_mtp", 25),
 }
 
 
@@ -241,9 +242,11 @@ def check_export(name: str) -> dict:
       loaded = transformers.AutoModelForCausalLM.from_pretrained(
           tmp, dtype=torch.float32, attn_implementation="eager").eval()
       logits, _ = logits_and_loss(loaded, ids)
+      mtp = (deepseek.exported_mtp_error(loaded, out, ids)
+             if os.path.exists(os.path.join(out, "mtp_logits.npy")) else {})
     err = float(np.abs(logits - want).max())
     assert err <= LOGIT_TOL, f"{name}: export ({spelling}) max abs logit error {err:.3e}"
-    checked[spelling] = {"class": type(loaded).__name__, "max_abs_logit_error": err}
+    checked[spelling] = {"class": type(loaded).__name__, "max_abs_logit_error": err, **mtp}
     print(f"{name}: transformers loads the export ({spelling}, {type(loaded).__name__}): "
           f"max abs logit error {err:.3e}")
   path = os.path.join(out, "fixture_info.json")

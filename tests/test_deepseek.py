@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from jaxtrain import train_setup, trainer
-from jaxtrain.config import load_config_file
 from jaxtrain.models import moe
 from jaxtrain.parallel.expert_parallel import Sequences
 from tests.moe_helpers import on_short_rows, with_changes
@@ -234,8 +233,3 @@ def test_bad_prediction_settings_are_one_line_errors(changes, words):
   assert_one_line_config_error(with_changes(_deepseek_tiny(), changes), 1, words)
 
 
-def test_export_says_it_leaves_the_prediction_modules_out():
-  from jaxtrain.interop import hf  # pylint: disable=import-outside-toplevel
-  said = hf.left_out_of_export(load_config_file(DEEPSEEK_TINY))
-  assert said.startswith("1 multi-token prediction module(s)") and "not written" in said
-  assert hf.left_out_of_export(load_config_file(os.path.join(REPO, "configs", "tiny.py"))) == ""

@@ -22,17 +22,20 @@ import pytest
 from flax import nnx
 
 from jaxtrain import config_checks
-from jaxtrain.config import default_config
+from jaxtrain.config import default_config, load_config_file
 from jaxtrain.interop import hf, hf_config, hf_export_config
 from jaxtrain.interop.hf_config import HFFormatError
 from jaxtrain.models import registry
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.sharding import abstract_model
 from tests.helpers import mesh_of, safetensors_tensors
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 CASES = ("hf_qwen3_tied", "hf_qwen3_untied", "hf_qwen2_untied", "hf_qwen2_tied",
          "hf_mistral_window", "hf_mistral_tied", "hf_gemma3_text", "hf_gemma3_text_legacy",
          "hf_gemma3_multimodal", "hf_mixtral", "hf_qwen3_moe_dense_first",
-         "hf_qwen3_moe_every_other", "hf_deepseek_v3", "hf_deepseek_v3_yarn")
+         "hf_qwen3_moe_every_other", "hf_deepseek_v3", "hf_deepseek_v3_yarn",
+         "hf_deepseek_v3_mtp")
 GEMMA3_TEXT = os.path.join(FIXTURES, "hf_gemma3_text")
 MULTIMODAL = os.path.join(FIXTURES, "hf_gemma3_multimodal")
 LOGIT_TOL = 1e-4
@@ -164,24 +167,79 @@ def test_unknown_tensors_beside_a_multimodal_language_model_are_refused(tmp_path
     hf.load_model(str(tmp_path))
 
 
-def test_a_deepseek_checkpoints_prediction_layer_is_left_out(tmp_path):
+MTP = os.path.join(FIXTURES, "hf_deepseek_v3_mtp")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prediction_logits(graphdef, params, ids_BT):
+  """Depth 1's logits [B, T, V] (at t, for token t + 2; the last position reads past the row)."""
+  model = nnx.merge(graphdef, params)
+  _, states = model.hidden_states_with_predictions(ids_BT)
+  return jnp.einsum("BTD,DV->BTV", states[0], model.head_weights(),
+                    preferred_element_type=jnp.float32)
+
+
+def _prediction_error(model, what):
+  ids, want = (np.load(os.path.join(MTP, f)) for f in ("input_ids.npy", "mtp_logits.npy"))
+  with jax.default_matmul_precision("highest"):
+    got = np.asarray(_prediction_logits(*nnx.split(model), jnp.asarray(ids)))[:, :-1]
+  err = float(np.abs(got - want).max())
+  print(f"{what}: max abs prediction-layer logit error {err:.3e}")
+  assert err <= LOGIT_TOL, f"{what}: max abs prediction-layer logit error {err:.3e}"
+
+
+def test_a_deepseek_checkpoints_prediction_layer_imports_and_exports(tmp_path, imported):
   """DeepSeek-V3's hub checkpoints store their multi-token-prediction layer after the decoder
-  (model.layers.{num_hidden_layers}.*): import leaves it out, as config.json's
-  num_nextn_predict_layers says; a layer config.json does not account for is refused."""
+  (model.layers.{num_hidden_layers}.*, with copies of the embedding and head): import keeps it
+  (model.mtp_depth=1) with transformers' MtpLayer logits; export writes it back where it was,
+  and the export imports again to the same logits; mtp_depth=0 leaves it out."""
+  model, config = imported("hf_deepseek_v3_mtp")
+  assert config.model.mtp_depth == 1
+  _prediction_error(model, "hf_deepseek_v3_mtp")
+  hf.save_model(model, config, str(tmp_path))
+  assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+  again, again_config = hf.load_model(str(tmp_path))
+  assert again_config.model.mtp_depth == 1
+  _prediction_error(again, "hf_deepseek_v3_mtp exported and imported again")
+  dropped, dropped_config = hf.load_model(MTP, mtp_depth=0)
+  assert dropped_config.model.mtp_depth == 0 and not hasattr(dropped, "mtp")
+  _max_error(dropped, MTP, "hf_deepseek_v3_mtp with its prediction layer left out")
+  # transformers' save_pretrained keeps num_nextn_predict_layers=1 and writes no such layer.
+  assert imported("hf_deepseek_v3")[1].model.mtp_depth == 0
+  with pytest.raises(HFFormatError, match=r"mtp_depth=2: .* holds 1 multi-token-prediction "
+                                          r"layer\(s\) \(config.json declares 1\)"):
+    hf.load_model(MTP, mtp_depth=2)
+  with pytest.raises(HFFormatError, match=r"mtp_depth=1: llama checkpoints have no"):
+    hf.load_model(os.path.join(FIXTURES, "hf_llama_gqa_llama3"), mtp_depth=1)
+
+
+def test_a_prediction_layer_the_config_does_not_declare_is_refused(tmp_path):
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
-  source = os.path.join(FIXTURES, "hf_deepseek_v3")
-  tensors = safetensors_tensors(source)
-  tensors["model.layers.3.eh_proj.weight"] = np.zeros((64, 32), np.float32)
-  tensors["model.layers.3.enorm.weight"] = np.ones((32,), np.float32)
-  save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-  config = hf_config.read_hf_config(source)
-  assert config["num_hidden_layers"] == 3 and config["num_nextn_predict_layers"] == 1
-  (tmp_path / "config.json").write_text(json.dumps(config))
-  model, _ = hf.load_model(str(tmp_path))
-  _max_error(model, source, "deepseek_v3 with its prediction layer left out")
+  save_file(safetensors_tensors(MTP), str(tmp_path / "model.safetensors"),
+            metadata={"format": "pt"})
+  config = hf_config.read_hf_config(MTP)
   (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
-  with pytest.raises(HFFormatError, match=r"no place for: model.layers.3.eh_proj.weight"):
+  with pytest.raises(HFFormatError, match=r"no place for: model.layers.3.eh_proj.weight, model.layers.3.embed_tokens"):
     hf.load_model(str(tmp_path))
+
+
+def test_cli_import_keeps_or_drops_the_prediction_layer(tmp_path, capsys):
+  assert hf.main(["import", f"--hf_dir={MTP}", f"--out={tmp_path / 'kept'}"]) == 0
+  assert hf.main(["import", f"--hf_dir={MTP}", f"--out={tmp_path / 'dropped'}",
+                  "--mtp_depth=0"]) == 0
+  for name, depth in (("kept", 1), ("dropped", 0)):
+    written = json.loads((tmp_path / name / "jaxtrain_config.json").read_text())
+    assert written["overrides"]["model.mtp_depth"] == depth
+    assert f"c.model.mtp_depth = {depth}" in (tmp_path / name / "config.py").read_text()
+  assert "--config.model.mtp_depth=0" in capsys.readouterr().out
+  # A run without the prediction module can start from the weights that keep it.
+  from jaxtrain import checkpoint  # pylint: disable=import-outside-toplevel
+  config = load_config_file(str(tmp_path / "kept" / "config.py"))
+  for depth in (1, 0):
+    config.model.mtp_depth = depth
+    _, abstract, _ = abstract_model(ModelConfig.from_config(config), hf.default_mesh())
+    params, _ = checkpoint.load_params(str(tmp_path / "kept"), abstract)
+    assert ("mtp" in params) == bool(depth)
 
 
 # --------------------------------------------------------------------------------------------

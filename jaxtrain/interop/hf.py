@@ -41,6 +41,7 @@ from jaxtrain.config import ConfigError, load_config_file
 from jaxtrain.interop import hf_config, hf_export_config, hf_weights
 from jaxtrain.interop.hf_config import HFFormatError
 from jaxtrain.parallel.mesh import make_mesh
+from jaxtrain.models import registry
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.decoder import Decoder
 from jaxtrain.models.variables import WEIGHTS
@@ -76,7 +77,10 @@ def _stack_span(cfg: ModelConfig, stack: str) -> tuple[int, int]:
 
 def _locate(cfg: ModelConfig, keys: tuple) -> tuple[hf_weights.TensorRule, int | None, bool]:
   """(rule, layer index (the first of a stack) or None, stacked) for a parameter path of our
-  model."""
+  model. Multi-token-prediction module k (Decoder.mtp[k]) is stored as layer num_layers + k."""
+  if keys[0] == "mtp":
+    rules = {r.ours: r for r in hf_weights.prediction_module_rules(cfg)}
+    return rules[keys[2:]], cfg.arch.num_layers + int(keys[1]), False
   if keys[0] not in STACKS:
     return {r.ours: r for r in hf_weights.top_rules(cfg)}[keys], None, False
   layer, ours, stacked = _stack_span(cfg, keys[0])[0], keys[1:], True
@@ -164,8 +168,8 @@ def _check_divisible(abstract_params, mesh: Mesh) -> None:
                             f"divide the model's dims")
 
 
-def load_model(path: str, *, mesh: Mesh | None = None,
-               dtype: str | None = None) -> tuple[Decoder, ml_collections.ConfigDict]:
+def load_model(path: str, *, mesh: Mesh | None = None, dtype: str | None = None,
+               mtp_depth: int | None = None) -> tuple[Decoder, ml_collections.ConfigDict]:
   """(model, config) from a Hugging Face directory of any supported family.
 
   Args:
@@ -174,6 +178,8 @@ def load_model(path: str, *, mesh: Mesh | None = None,
     mesh: a (data, fsdp, tensor) mesh to shard the parameters over (default: one device).
     dtype: parameter dtype, "float32" (the default: master weights for training) or
       "bfloat16"/"float16"; the checkpoint's own dtype is converted on the fly.
+    mtp_depth: DeepSeek-V3's multi-token-prediction layers to keep (`model.mtp_depth`): by
+      default every one the checkpoint holds; 0 leaves them out.
 
   Returns:
     The sharded model, whose call returns float32 logits [B, T, V], and the full jaxtrain
@@ -186,24 +192,49 @@ def load_model(path: str, *, mesh: Mesh | None = None,
   path = os.path.abspath(path)
   config = hf_config.to_jaxtrain_config(hf_config.read_hf_config(path), path,
                                         dtype or "float32")
+  config.model.mtp_depth = prediction_modules(path, config, mtp_depth)
   return load_weights(path, config, mesh=mesh), config
+
+
+def prediction_modules(path: str, config, wanted: int | None = None) -> int:
+  """`model.mtp_depth` for an import of `path`: the multi-token-prediction layers it holds (0
+  for a family without them), or `wanted` of them; more than it holds is an HFFormatError."""
+  cfg = ModelConfig.from_config(config)
+  if not registry.get(cfg.arch.family).multi_token_prediction:
+    if wanted:
+      raise HFFormatError(f"mtp_depth={wanted}: {cfg.arch.family} checkpoints have no "
+                          f"multi-token-prediction layers")
+    return 0
+  declared = _declared_prediction_modules(path)
+  with hf_weights.SafetensorsReader(path) as reader:
+    stored = hf_weights.stored_prediction_modules(reader.names(), cfg, declared)
+  if wanted is None:
+    return stored
+  if not 0 <= wanted <= stored:
+    raise HFFormatError(f"mtp_depth={wanted}: {path} holds {stored} multi-token-prediction "
+                        f"layer(s) (config.json declares {declared}); choose 0 to {stored}")
+  return wanted
+
+
+def _declared_prediction_modules(path: str) -> int:
+  return int(hf_config.read_hf_config(path).get("num_nextn_predict_layers") or 0)
 
 
 def load_weights(path: str, config, *, mesh: Mesh | None = None) -> Decoder:
   """The model `config` describes, with its weights from a Hugging Face directory.
 
   For a config that differs from `load_model`'s only in how the model runs (scan_layers,
-  remat_policy, dtypes, attention.impl): every tensor's name and shape is checked against it.
+  remat_policy, dtypes, attention.impl) or keeps fewer multi-token-prediction layers
+  (model.mtp_depth): every tensor's name and shape is checked against it.
   """
   cfg = ModelConfig.from_config(config)
   mesh = default_mesh() if mesh is None else mesh
   graphdef, abstract_params, _ = abstract_model(cfg, mesh)
   _check_divisible(abstract_params, mesh)
   # DeepSeek-V3's checkpoints hold their multi-token-prediction layers after the decoder's
-  # (`model.layers.{num_hidden_layers + i}`); the model here has none, so they are left out.
-  mtp_layers = int(hf_config.read_hf_config(path).get("num_nextn_predict_layers") or 0)
+  # (`model.layers.{num_hidden_layers + k}`): the first model.mtp_depth are read.
   with hf_weights.SafetensorsReader(os.path.abspath(path)) as reader:
-    naming = hf_weights.check_tensors(reader, cfg, skipped_layers=mtp_layers)
+    naming = hf_weights.check_tensors(reader, cfg, _declared_prediction_modules(path))
     params = _fill_params(abstract_params, cfg, reader, naming)
   return nnx.merge(graphdef, params)
 
@@ -239,23 +270,35 @@ def _pending_tensors(params: dict, cfg: ModelConfig, dtype: str) -> list[hf_weig
     stack = "dense_layers" if layer < _stack_span(cfg, "dense_layers")[1] else "layers"
     return _take_layer(lookup((stack,) + rule.ours), layer - _stack_span(cfg, stack)[0])
 
-  def pending(rule, layer=None, expert=None):
+  def pending(rule, layer=None, expert=None, path=None):
+    """`path`: where our parameter is, when not at rule.ours (top level) or in layer `layer`."""
     def produce():
-      if layer is None:
+      if path is not None:
+        x = lookup(path)
+      elif layer is None:
         x = lookup(rule.ours)
       else:
         x = layer_param(rule, layer)
-        if expert is not None:
-          x = _take_layer(x, expert)
+      if expert is not None:
+        x = _take_layer(x, expert)
       return hf_weights.to_hf_layout(_to_host(x), rule, sizes)
     return hf_weights.PendingTensor(hf_weights.tensor_name(rule, layer, expert),
                                     hf_weights.hf_shape(rule, sizes), dtype, produce)
 
+  def each_expert(rule):
+    return range(cfg.arch.num_experts) if rule.per_expert else [None]
+
   out = [pending(top["model.embed_tokens.weight"])]
   for i in range(cfg.arch.num_layers):
     for rule in hf_weights.rules_of_layer(cfg, i):
-      experts = range(cfg.arch.num_experts) if rule.per_expert else [None]
-      out += [pending(rule, i, j) for j in experts]
+      out += [pending(rule, i, j) for j in each_expert(rule)]
+  # Multi-token-prediction module k as DeepSeek-V3's checkpoints store it: layer L + k, with
+  # copies of the embedding and the output head.
+  for k in range(cfg.arch.mtp_depth):
+    i = cfg.arch.num_layers + k
+    for rule in hf_weights.prediction_module_rules(cfg):
+      out += [pending(rule, i, j, ("mtp", k) + rule.ours) for j in each_expert(rule)]
+    out += [pending(rule, i, path=rule.ours) for rule in hf_weights.prediction_module_copies(cfg)]
   out.append(pending(top["model.norm.weight"]))
   if "lm_head.weight" in top:
     out.append(pending(top["lm_head.weight"]))
@@ -355,19 +398,27 @@ def save_model(model: Decoder, config, path: str, *, dtype: str | None = None,
 
 
 def _host_mesh(cfg: ModelConfig) -> Mesh:
-  """All local devices along fsdp when the model dim splits evenly over them, else one."""
+  """All local devices along fsdp when every parameter splits evenly over them, else one."""
   n = jax.local_device_count()
-  if n > 1 and cfg.arch.d_model % n == 0:
+  if n > 1:
     mesh = make_mesh({"fsdp": n}, jax.local_devices())
-    if cfg.peft.base_quant == "none":
+    if _splits_evenly(cfg, mesh):
       return mesh
-    from jaxtrain import peft  # pylint: disable=import-outside-toplevel
-    try:  # a QLoRA run's quantization groups must split evenly too
-      peft.check_mesh(cfg, mesh)
-      return mesh
-    except ValueError:
-      pass
   return default_mesh()
+
+
+def _splits_evenly(cfg: ModelConfig, mesh: Mesh) -> bool:
+  """Whether the model's parameters (and a QLoRA run's quantization groups) divide over `mesh`:
+  the model dim may, while a latent attention rank or a head count does not."""
+  _, abstract_params, _ = abstract_model(cfg, mesh)
+  try:
+    _check_divisible(abstract_params, mesh)
+    if cfg.peft.base_quant != "none":
+      from jaxtrain import peft  # pylint: disable=import-outside-toplevel
+      peft.check_mesh(cfg, mesh)
+  except (HFFormatError, ValueError):
+    return False
+  return True
 
 
 def _config_py(overrides: dict[str, Any], source: str, stored_dtype: str) -> str:
@@ -402,10 +453,12 @@ def get_config():
 '''
 
 
-def import_command(hf_dir: str, out: str, dtype: str = "float32") -> str:
+def import_command(hf_dir: str, out: str, dtype: str = "float32",
+                   mtp_depth: int | None = None) -> str:
   """Converts a Hugging Face directory into a weights directory for checkpoint.init_from:
   OUT/params (Orbax), OUT/config.py (ready-to-train config), OUT/jaxtrain_config.json (the
-  values), and the tokenizer files. Returns the training command line."""
+  values), and the tokenizer files. `mtp_depth`: as load_model's. Returns the training command
+  line."""
   # Orbax and grain load only for the CLI; load_model/save_model do not need them.
   from jaxtrain import checkpoint  # pylint: disable=import-outside-toplevel
 
@@ -416,7 +469,9 @@ def import_command(hf_dir: str, out: str, dtype: str = "float32") -> str:
   hf = hf_config.read_hf_config(hf_dir)
   overrides = hf_config.overrides_for(hf, hf_dir, dtype)
   cfg = ModelConfig.from_config(hf_config.to_jaxtrain_config(hf, hf_dir, dtype))
-  model, _ = load_model(hf_dir, mesh=_host_mesh(cfg), dtype=dtype)
+  model, config = load_model(hf_dir, mesh=_host_mesh(cfg), dtype=dtype, mtp_depth=mtp_depth)
+  if registry.get(cfg.arch.family).multi_token_prediction:
+    overrides["model.mtp_depth"] = int(config.model.mtp_depth)
   os.makedirs(out, exist_ok=True)
   checkpoint.save_params(out, nnx.state(model, WEIGHTS))
   for name in TOKENIZER_FILES:
@@ -439,9 +494,9 @@ def import_command(hf_dir: str, out: str, dtype: str = "float32") -> str:
 def export_command(checkpoint: str, config_path: str | None, out: str, dtype: str | None = None,
                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                    rope_spelling: str = "rope_parameters",
-                   overwrite: bool = False) -> tuple[list[str], str]:
-  """Exports a run's checkpoint or a weights directory as a Hugging Face directory: (the files
-  written, what the export leaves out or "")."""
+                   overwrite: bool = False) -> list[str]:
+  """Exports a run's checkpoint or a weights directory as a Hugging Face directory; returns the
+  files written."""
   # pylint: disable-next=import-outside-toplevel
   from jaxtrain.run_weights import load_plain_model, plain_run_config
 
@@ -465,18 +520,9 @@ def export_command(checkpoint: str, config_path: str | None, out: str, dtype: st
   cfg = ModelConfig.from_config(config)
   # A LoRA run's adapters are merged into its base here: the export is the plain model.
   model, _ = load_plain_model(checkpoint, config, _host_mesh(cfg))
-  files = save_model(model, plain_run_config(config), out, dtype=dtype,
-                     max_file_bytes=max_file_bytes, rope_spelling=rope_spelling,
-                     overwrite=overwrite)
-  return files, left_out_of_export(config)
-
-
-def left_out_of_export(config) -> str:
-  """What an export of a run of `config` does not write (its multi-token-prediction modules:
-  the exported config.json says num_nextn_predict_layers=0), or ""."""
-  depth = int(config.model.get("mtp_depth", 0))
-  return (f"{depth} multi-token prediction module(s) (model.mtp_depth): trained here, not "
-          f"written to the Hugging Face directory") if depth else ""
+  return save_model(model, plain_run_config(config), out, dtype=dtype,
+                    max_file_bytes=max_file_bytes, rope_spelling=rope_spelling,
+                    overwrite=overwrite)
 
 
 def main(argv: list[str] | None = None) -> int:

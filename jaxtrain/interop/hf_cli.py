@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
   imp.add_argument("--out", required=True, help="weights directory to create")
   imp.add_argument("--dtype", default="float32", choices=hf_config.DTYPES,
                    help="dtype the weights are stored in (default float32)")
+  imp.add_argument("--mtp_depth", type=int, default=None,
+                   help="DeepSeek-V3: multi-token-prediction layers to keep (default: every one "
+                        "the checkpoint holds; 0 leaves them out)")
   exp = sub.add_parser("export", help="run checkpoint or weights directory -> HF directory")
   exp.add_argument("--checkpoint", required=True,
                    help="weights directory, run workdir, or checkpoint step directory")
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   try:
     if args.command == "import":
-      command = import_command(args.hf_dir, args.out, args.dtype)
+      command = import_command(args.hf_dir, args.out, args.dtype, args.mtp_depth)
       print(f"wrote {os.path.abspath(args.out)}; train from it with:\n{command}")
     else:
       try:
@@ -75,11 +78,9 @@ def main(argv: list[str] | None = None) -> int:
       except ValueError:
         raise HFFormatError(f"--max_shard_size={args.max_shard_size!r}: expected a size such "
                             f"as 5GB or 500MB") from None
-      files, left_out = export_command(args.checkpoint, args.config, args.out, args.dtype,
-                                       max_bytes, args.rope_spelling, args.overwrite)
+      files = export_command(args.checkpoint, args.config, args.out, args.dtype, max_bytes,
+                             args.rope_spelling, args.overwrite)
       print(f"wrote {os.path.abspath(args.out)}: {', '.join(files)}")
-      if left_out:
-        print(f"not exported: {left_out}")
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

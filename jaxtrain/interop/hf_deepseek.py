@@ -91,6 +91,5 @@ def export_fields(config) -> dict[str, Any]:
           "routed_scaling_factor": float(moe.routed_scaling_factor),
           "norm_topk_prob": bool(moe.norm_topk_prob), "first_k_dense_replace": len(dense),
           "qk_head_dim": int(m.head_dim),
-          # No multi-token prediction layer is exported (nor read: transformers' own model
-          # has none either).
-          "num_nextn_predict_layers": 0}
+          # Exported after the decoder's layers, as the hub's checkpoints hold them.
+          "num_nextn_predict_layers": int(m.get("mtp_depth", 0))}

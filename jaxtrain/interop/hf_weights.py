@@ -196,7 +196,7 @@ def sizes_of(cfg) -> dict[str, int]:
   """Shape-letter sizes of a ModelConfig."""
   a = cfg.arch
   p = a.qk_rope_head_dim
-  return {"V": a.vocab_size, "D": a.d_model, "H": a.num_heads, "K": a.num_kv_heads,
+  return {"V": a.vocab_size, "D": a.d_model, "C": 2 * a.d_model, "H": a.num_heads, "K": a.num_kv_heads,
           "E": a.head_dim, "F": a.mlp_dim, "X": a.num_experts, "M": a.expert_dim,
           "S": a.num_shared_experts * a.expert_dim,
           # Latent attention (models/mla.py).
@@ -236,12 +236,55 @@ def top_rules(cfg) -> tuple[TensorRule, ...]:
   return tuple(r for r in TOP_RULES if not (cfg.arch.tie_embeddings and r.ours == ("head_DV",)))
 
 
-def rules_of_layer(cfg, layer: int) -> tuple[TensorRule, ...]:
-  """Layer `layer`'s tensors: the dense layer's, or an MoE layer's as its family names them."""
+def _block_rules(cfg, moe: bool) -> tuple[TensorRule, ...]:
   a = cfg.arch
-  moe = a.moe_layers()[layer]
   return layer_rules(a.features, registry.get(a.family).hf_experts if moe else None,
                      bool(a.q_lora_rank) if a.kv_lora_rank else None)
+
+
+def rules_of_layer(cfg, layer: int) -> tuple[TensorRule, ...]:
+  """Layer `layer`'s tensors: the dense layer's, or an MoE layer's as its family names them."""
+  return _block_rules(cfg, cfg.arch.moe_layers()[layer])
+
+
+def prediction_module_rules(cfg) -> tuple[TensorRule, ...]:
+  """One multi-token-prediction module's tensors (models/mtp.py) as DeepSeek-V3's checkpoints
+  store module k: layer num_hidden_layers + k, holding a decoder layer's tensors (an MoE
+  layer's when the model has experts) beside enorm, hnorm, eh_proj and shared_head.norm (our
+  post_norm). Our paths are inside the module (Decoder.mtp[k])."""
+  layer = "model.layers.{i}."
+  block = tuple(dataclasses.replace(r, ours=("block",) + r.ours)
+                for r in _block_rules(cfg, bool(cfg.arch.num_experts)))
+  return (TensorRule(layer + "enorm.weight", ("enorm", "scale"), "D", "D"),
+          TensorRule(layer + "hnorm.weight", ("hnorm", "scale"), "D", "D"),
+          # [D, 2D] in the checkpoint: the embedding's half of the input first.
+          TensorRule(layer + "eh_proj.weight", ("eh_proj_CD",), "D,C", "CD"),
+          *block,
+          TensorRule(layer + "shared_head.norm.weight", ("post_norm", "scale"), "D", "D"))
+
+
+def prediction_module_copies(cfg) -> tuple[TensorRule, ...]:
+  """The shared embedding and output head, which DeepSeek-V3's checkpoints store again in every
+  prediction layer (inference engines that draft tokens with it read them there): written on
+  export, shape-checked and never read on import. Our paths are the model's top-level ones."""
+  layer = "model.layers.{i}."
+  head = (TensorRule(layer + "shared_head.head.weight", ("embed_VD",), "V,D", "VD")
+          if cfg.arch.tie_embeddings else
+          TensorRule(layer + "shared_head.head.weight", ("head_DV",), "V,D", "DV"))
+  return (TensorRule(layer + "embed_tokens.weight", ("embed_VD",), "V,D", "VD"), head)
+
+
+def stored_prediction_modules(names, cfg, declared: int) -> int:
+  """How many of the `declared` prediction layers (config.json num_nextn_predict_layers) the
+  checkpoint holds, in order: checkpoints re-saved by transformers, whose model has none, keep
+  the declaration but not the layer."""
+  names = set(names)
+  naming = naming_of(names)
+  count = 0
+  while count < declared and naming.stored(
+      f"model.layers.{cfg.arch.num_layers + count}.eh_proj.weight") in names:
+    count += 1
+  return count
 
 
 def rules_for(cfg) -> tuple[TensorRule, ...]:
@@ -249,6 +292,8 @@ def rules_for(cfg) -> tuple[TensorRule, ...]:
   rules = list(top_rules(cfg))
   for layer in range(cfg.arch.num_layers):
     rules += [r for r in rules_of_layer(cfg, layer) if r not in rules]
+  if cfg.arch.mtp_depth:
+    rules += prediction_module_rules(cfg)
   return tuple(rules)
 
 
@@ -376,36 +421,50 @@ def naming_of(names) -> Naming:
   return NAMINGS[0]
 
 
-def check_tensors(reader: SafetensorsReader, cfg, skipped_layers: int = 0) -> Naming:
+def check_tensors(reader: SafetensorsReader, cfg, declared_modules: int = 0) -> Naming:
   """Checks names and shapes against the model before anything is read; returns where the
   checkpoint keeps them (Naming: "model." names, a bare *Model's, a multimodal checkpoint's).
-  `skipped_layers`: layers stored after the decoder's that are not read (DeepSeek-V3's
-  multi-token-prediction layers)."""
+
+  `declared_modules`: the multi-token-prediction layers config.json declares
+  (num_nextn_predict_layers), stored after the decoder's layers. The model's `mtp_depth`
+  first of them are read; the rest are left out."""
   names = set(reader.names())
   naming = naming_of(names)
   sizes = sizes_of(cfg)
+  a = cfg.arch
+  if a.mtp_depth > declared_modules:
+    raise HFFormatError(f"{reader.directory}: model.mtp_depth={a.mtp_depth}, but the checkpoint "
+                        f"declares {declared_modules} multi-token-prediction layer(s) (config.json "
+                        f"num_nextn_predict_layers); import with mtp_depth <= {declared_modules}")
   expected = {naming.stored(tensor_name(rule)): hf_shape(rule, sizes) for rule in top_rules(cfg)}
-  for layer in range(cfg.arch.num_layers):
+  for layer in range(a.num_layers):
     for rule in rules_of_layer(cfg, layer):
-      for name in tensor_names(rule, layer, cfg.arch.num_experts):
+      for name in tensor_names(rule, layer, a.num_experts):
         expected[naming.stored(name)] = hf_shape(rule, sizes)
+  copies = {}
+  for k in range(a.mtp_depth):
+    for rule in prediction_module_rules(cfg):
+      for name in tensor_names(rule, a.num_layers + k, a.num_experts):
+        expected[naming.stored(name)] = hf_shape(rule, sizes)
+    copies.update({naming.stored(tensor_name(rule, a.num_layers + k)): hf_shape(rule, sizes)
+                   for rule in prediction_module_copies(cfg)})
   missing = sorted(set(expected) - names)
   if missing:
     hint = (" (config.json says tie_word_embeddings=false; the file has no output head)"
             if missing == [naming.head] else "")
     raise HFFormatError(f"{reader.directory}: tensors missing from the safetensors: "
                         f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}{hint}")
-  tolerated = {naming.head} if cfg.arch.tie_embeddings else set()
-  skipped = tuple(naming.stored(f"model.layers.{cfg.arch.num_layers + i}.")
-                  for i in range(skipped_layers))
+  tolerated = set(copies) | ({naming.head} if a.tie_embeddings else set())
+  skipped = tuple(naming.stored(f"model.layers.{a.num_layers + k}.")
+                  for k in range(a.mtp_depth, declared_modules))
   unexpected = sorted(n for n in names - set(expected) - tolerated
                       if not n.endswith(IGNORED_SUFFIXES) and not n.startswith(naming.others)
-                      and not n.startswith(skipped))
+                      and not (skipped and n.startswith(skipped)))
   if unexpected:
-    raise HFFormatError(f"{reader.directory}: tensors this {cfg.arch.family} config has no place "
+    raise HFFormatError(f"{reader.directory}: tensors this {a.family} config has no place "
                         f"for: {', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}"
                         f"; check config.json (model_type, biases, layer count)")
-  for name, shape in expected.items():
+  for name, shape in list(expected.items()) + [(n, s) for n, s in copies.items() if n in names]:
     got = reader.shape(name)
     if got != shape:
       raise HFFormatError(f"{reader.directory}: tensor {name} has shape {list(got)}, config.json "
