@@ -20,6 +20,7 @@ from jaxtrain.models.features import ALL_PROJECTIONS
 REMAT_POLICIES = ("none", "full", "minimal", "save_dots", "save_qkv_proj", "minimal_offload",
                   "save_dots_offload", "save_qkv_proj_offload")
 ATTENTION_IMPLS = ("xla", "pallas", "cudnn", "auto")
+MATMUL_PRECISIONS = ("none", "fp8")  # precision.matmul (jaxtrain/fp8.py)
 ROPE_SCALING_TYPES = ("none", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 # Adam moments: float16 is refused, its range underflows the second moment of small grads.
@@ -154,6 +155,12 @@ def default_config() -> ml_collections.ConfigDict:
   # The experts' grouped matmul: "ragged" (jax.lax.ragged_dot: the TPU compiler's grouped
   # kernel), "blocked" (a loop of GEMMs over expert-aligned row blocks: CPU, GPU), "auto".
   c.moe.grouped_matmul = "auto"
+
+  c.precision = ml_collections.ConfigDict()
+  # The projections' and MLP matmuls: "none" (the compute dtype), "fp8" (per-tensor current
+  # scaling: e4m3 forward, e5m2 gradients; jaxtrain/fp8.py). Master weights, optimizer state
+  # and the loss are unchanged.
+  c.precision.matmul = "none"
 
   c.attention = ml_collections.ConfigDict()
   # xla (reference einsums), pallas (our flash-attention kernels: GPU, TPU), cudnn (GPU), auto

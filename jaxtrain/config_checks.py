@@ -16,8 +16,9 @@ from jaxtrain import objectives
 from jaxtrain.parallel.pipeline import resolve_microbatches
 from jaxtrain.parallel.mesh import (DCN_AXES, MESH_AXES, MeshShape, check_divides, param_dims,
                                     resolve_shape)
-from jaxtrain.config import (ATTENTION_IMPLS, DTYPES, LORA_TARGETS, OBJECTIVES, REMAT_POLICIES,
-                             ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError, lora_targets)
+from jaxtrain.config import (ATTENTION_IMPLS, DTYPES, LORA_TARGETS, MATMUL_PRECISIONS, OBJECTIVES,
+                             REMAT_POLICIES, ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError,
+                             lora_targets)
 from jaxtrain.models import registry
 from jaxtrain.config_checks_moe import (check_latent_attention, check_moe,
                                        check_multi_token_prediction)
@@ -207,6 +208,9 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
   if m.remat_policy not in REMAT_POLICIES:
     raise ConfigError(f"model.remat_policy={m.remat_policy!r}: unknown remat policy; choose one "
                       f"of {', '.join(REMAT_POLICIES)}")
+  if config.precision.matmul not in MATMUL_PRECISIONS:
+    raise ConfigError(f"precision.matmul={config.precision.matmul!r}: unknown; choose one of "
+                      f"{', '.join(MATMUL_PRECISIONS)}")
   if config.attention.impl not in ATTENTION_IMPLS:
     raise ConfigError(f"attention.impl={config.attention.impl!r}: unknown attention "
                       f"implementation; choose one of {', '.join(ATTENTION_IMPLS)}")

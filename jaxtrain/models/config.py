@@ -137,6 +137,8 @@ class Runtime:
   # (peft.projection.dense): faster GEMMs on XLA:CPU. from_config sets it for the CPU platform
   # only; on accelerators XLA picks operand layouts itself.
   explicit_transpose_for_dw: bool = False
+  # The projections' and MLP matmuls: "none" (the compute dtype) or "fp8" (jaxtrain/fp8.py).
+  matmul_precision: str = "none"
   # MoE layers: capacity factor (0: dropless), the grouped matmul's route (grouped_matmul.py),
   # and the weights of the router's auxiliary losses in the objective.
   moe_capacity_factor: float = 0.0
@@ -239,6 +241,8 @@ class ModelConfig:
                       attention_blocks=(a.block_q, a.block_k), param_dtype=m.param_dtype,
                       dtype=resolve_compute_dtype(m.dtype, platform),
                       explicit_transpose_for_dw=platform == "cpu", platform=platform,
+                      matmul_precision=(config.precision.matmul if "precision" in config
+                                        else "none"),
                       moe_capacity_factor=float(moe.capacity_factor),
                       moe_grouped_matmul=moe.grouped_matmul,
                       moe_aux_loss_coef=float(moe.aux_loss_coef),

@@ -126,6 +126,7 @@ class Attention(nnx.Module):
                               ("load_balance", cfg.parallel.context_load_balance))
     self.dtype = jnp.dtype(cfg.runtime.dtype)
     self.explicit_transpose_for_dw = cfg.runtime.explicit_transpose_for_dw
+    self.precision = cfg.runtime.matmul_precision
 
   def _is_sliding(self, sliding):
     """This call's layer type: the layer's own, else the one passed in (a traced bool scalar
@@ -186,7 +187,7 @@ class Attention(nnx.Module):
     to its position (and within the window on sliding layers). Returns the sublayer's output
     and the updated cache."""
     sliding = self._is_sliding(sliding)
-    proj = functools.partial(project, dtype=self.dtype)
+    proj = functools.partial(project, dtype=self.dtype, precision=self.precision)
     q_BCHE, k_BCKE, v_BCKE = self._qkv(x_BCD, positions_BC, proj, sliding, training=False)
     write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(
         cache, new.astype(cache.dtype), (start, 0, 0)))
@@ -211,7 +212,8 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None, sliding=None):
     sliding = self._is_sliding(sliding)
-    proj = functools.partial(project, dtype=self.dtype, dropout_key=dropout_key,
+    proj = functools.partial(project, dtype=self.dtype, precision=self.precision,
+                             dropout_key=dropout_key,
                              explicit_transpose_for_dw=self.explicit_transpose_for_dw)
     q_BTHE, k_BTKE, v_BTKE = self._qkv(x_BTD, positions_BT, proj, sliding, training=True)
     out_BTHE = self._attend(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, sliding)
@@ -239,9 +241,11 @@ class MLP(nnx.Module):
     self.activation = a.features.mlp_activation
     self.dtype = jnp.dtype(cfg.runtime.dtype)
     self.explicit_transpose_for_dw = cfg.runtime.explicit_transpose_for_dw
+    self.precision = cfg.runtime.matmul_precision
 
   def __call__(self, x_BTD, dropout_key=None):
-    proj = functools.partial(project, dtype=self.dtype, dropout_key=dropout_key,
+    proj = functools.partial(project, dtype=self.dtype, precision=self.precision,
+                             dropout_key=dropout_key,
                              explicit_transpose_for_dw=self.explicit_transpose_for_dw)
     gate_BTF = checkpoint_name(proj(x_BTD, self.w_gate_DF, self.lora_gate), "mlp_gate")
     up_BTF = checkpoint_name(proj(x_BTD, self.w_up_DF, self.lora_up), "mlp_up")

@@ -87,6 +87,7 @@ class LatentAttention(nnx.Module):
                               ("load_balance", cfg.parallel.context_load_balance))
     self.dtype = jnp.dtype(cfg.runtime.dtype)
     self.explicit_transpose_for_dw = cfg.runtime.explicit_transpose_for_dw
+    self.precision = cfg.runtime.matmul_precision
 
   def _rope(self, x_BTNP, positions_BT):
     scaling = dict(self.rope[2]) if self.rope[2] else None
@@ -115,7 +116,8 @@ class LatentAttention(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None, sliding=None):
     del sliding
-    proj = functools.partial(project, dtype=self.dtype, dropout_key=dropout_key,
+    proj = functools.partial(project, dtype=self.dtype, precision=self.precision,
+                             dropout_key=dropout_key,
                              explicit_transpose_for_dw=self.explicit_transpose_for_dw)
     q_nope_BTHN, q_rope_BTHP = self._queries(x_BTD, positions_BT, proj)
     c_BTR, k_rope_BTP = self._latent(x_BTD, positions_BT, proj)
@@ -141,7 +143,7 @@ class LatentAttention(nnx.Module):
     at [start, start + C), and each query attends over the cache up to its position in the
     latent space. Returns the sublayer's output and the updated cache."""
     del sliding
-    proj = functools.partial(project, dtype=self.dtype)
+    proj = functools.partial(project, dtype=self.dtype, precision=self.precision)
     q_nope_BCHN, q_rope_BCHP = self._queries(x_BCD, positions_BC, proj)
     c_BCR, k_rope_BCP = self._latent(x_BCD, positions_BC, proj)
     write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(

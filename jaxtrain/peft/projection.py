@@ -9,12 +9,13 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxtrain import fp8
 from jaxtrain.peft.quantize import QuantizedWeight
 from jaxtrain.weight_cast import to_compute_dtype
 
 
-def dense(x_BTI: jax.Array, w_IO: jax.Array, explicit_transpose_for_dw: bool = False
-          ) -> jax.Array:
+def dense(x_BTI: jax.Array, w_IO: jax.Array, explicit_transpose_for_dw: bool = False,
+          precision: str = "none") -> jax.Array:
   """x [..., I] @ w [I, ...] as one 2-D matmul over the flattened tokens.
 
   Same math as the einsum; the flat form gives the weight gradient a single contracting dim
@@ -23,12 +24,18 @@ def dense(x_BTI: jax.Array, w_IO: jax.Array, explicit_transpose_for_dw: bool = F
   dims merge without a copy, and a batch sharded over the data axes stays sharded.
 
   `explicit_transpose_for_dw` (set on CPU, see ModelConfig): the backward pass computes the
-  weight gradient from a materialized x^T, see `_matmul_explicit_dw`.
+  weight gradient from a materialized x^T, see `_matmul_explicit_dw`. `precision="fp8"`: the
+  matmul and its gradients in FP8 (jaxtrain/fp8.py), the result in x's dtype.
   """
   out_shape = (*x_BTI.shape[:-1], *w_IO.shape[1:])
   x_NI = x_BTI.reshape(-1, x_BTI.shape[-1])
   w_IO = w_IO.reshape(w_IO.shape[0], -1)
-  y_NO = _matmul_explicit_dw(x_NI, w_IO) if explicit_transpose_for_dw else x_NI @ w_IO
+  if precision == "fp8":
+    y_NO = fp8.matmul(x_NI, w_IO, x_NI.dtype)
+  elif explicit_transpose_for_dw:
+    y_NO = _matmul_explicit_dw(x_NI, w_IO)
+  else:
+    y_NO = x_NI @ w_IO
   return y_NO.reshape(out_shape)
 
 
@@ -75,13 +82,15 @@ def weight_value(weight, dtype) -> jax.Array:
 
 
 def project(x_BTI: jax.Array, weight, adapter=None, *, dtype, dropout_key=None,
-            num_in: int = 1, explicit_transpose_for_dw: bool = False) -> jax.Array:
+            num_in: int = 1, explicit_transpose_for_dw: bool = False,
+            precision: str = "none") -> jax.Array:
   """x [B, T, prod(I)] -> [B, T, *O] through weight [*I, *O] (its first `num_in` dims are
-  the input) and, when given, its LoRA adapter (dropout on the adapter's input only)."""
+  the input) and, when given, its LoRA adapter (dropout on the adapter's input only; the
+  adapter's matmuls stay in the compute dtype whatever `precision`)."""
   w = weight_value(weight, dtype)
   out_shape = (*x_BTI.shape[:-1], *w.shape[num_in:])
   y = dense(x_BTI, w.reshape(math.prod(w.shape[:num_in]), *w.shape[num_in:]),
-            explicit_transpose_for_dw).reshape(out_shape)
+            explicit_transpose_for_dw, precision).reshape(out_shape)
   if adapter is not None:
     y = y + adapter(x_BTI, dtype, dropout_key).reshape(out_shape)
   return y

@@ -1,0 +1,82 @@
+"""FP8 matmuls with per-tensor current scaling (`precision.matmul = "fp8"`).
+
+Each operand is divided by its own scale, amax / (the format's largest finite value), so that
+its largest magnitude lands on the format's largest value, cast to FP8, multiplied with float32
+accumulation, and the product multiplied back by both scales:
+
+    y = (x / s_x)_e4m3 @ (w / s_w)_e4m3 * (s_x * s_w)
+
+The forward operands are e4m3 (3 mantissa bits, largest 448): activations and weights need the
+precision. The output gradient is e5m2 (2 mantissa bits, largest 57344): gradients span a wider
+range. The backward pass reuses the forward's FP8 copies:
+
+    dx = (g / s_g)_e5m2 @ w_e4m3^T * (s_g * s_w)        dw = x_e4m3^T @ (g / s_g)_e5m2 * (s_x * s_g)
+
+so what the step keeps between forward and backward is the FP8 copies and two scalars (a quarter
+of float32's bytes, half of bfloat16's). "Current" scaling: each scale comes from the tensor at
+hand, so no amax history lives in the train state. A scale is a reduction over the whole
+(sharded) tensor, which the compiler turns into one scalar all-reduce.
+
+The dots are plain `dot_general`s of FP8 operands: XLA:GPU runs them as FP8 GEMMs (a Triton GEMM
+fusion or cuBLASLt, its choice), the TPU compiler as f8 dots, and XLA:CPU by converting, which is
+slow but exact for the products (float32 accumulation either way).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+E4M3 = jnp.float8_e4m3fn  # forward: activations and weights
+E5M2 = jnp.float8_e5m2  # backward: the output gradient
+
+
+def scale_of(x: jax.Array, dtype) -> jax.Array:
+  """float32 scalar s with max|x| / s = the largest finite value of `dtype` (1 for an all-zero
+  tensor, which then casts to zeros exactly)."""
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  return jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), jnp.float32(1))
+
+
+def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """(x / s cast to `dtype`, s): the FP8 copy of x and its float32 scale."""
+  s = scale_of(x, dtype)
+  top = float(jnp.finfo(dtype).max)
+  # The division can round a hair past the largest value; e4m3fn has no infinity to saturate to.
+  return jnp.clip(x.astype(jnp.float32) / s, -top, top).astype(dtype), s
+
+
+def _dot(a, b, contract: tuple[int, int]) -> jax.Array:
+  """a @ b over one contracting dim of each, float32 accumulation."""
+  return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def matmul(x_NI: jax.Array, w_IO: jax.Array, out_dtype) -> jax.Array:
+  """x [N, I] @ w [I, O] in FP8 (see the module docstring), returned in `out_dtype`; gradients
+  in x's and w's dtypes."""
+  return _forward(x_NI, w_IO, out_dtype)[0]
+
+
+def _forward(x_NI, w_IO, out_dtype):
+  xq_NI, s_x = quantize(x_NI, E4M3)
+  wq_IO, s_w = quantize(w_IO, E4M3)
+  y_NO = _dot(xq_NI, wq_IO, (1, 0)) * (s_x * s_w)
+  # Zero-size arrays carry the inputs' dtypes to the backward pass (residuals must be arrays).
+  dtypes = (jnp.zeros((0,), x_NI.dtype), jnp.zeros((0,), w_IO.dtype))
+  return y_NO.astype(out_dtype), (xq_NI, s_x, wq_IO, s_w, dtypes)
+
+
+def _backward(out_dtype, residuals, g_NO):
+  del out_dtype
+  xq_NI, s_x, wq_IO, s_w, (x_dtype, w_dtype) = residuals
+  gq_NO, s_g = quantize(g_NO, E5M2)
+  dx_NI = _dot(gq_NO, wq_IO, (1, 1)) * (s_g * s_w)
+  dw_IO = _dot(xq_NI, gq_NO, (0, 0)) * (s_x * s_g)
+  return dx_NI.astype(x_dtype.dtype), dw_IO.astype(w_dtype.dtype)
+
+
+matmul.defvjp(_forward, _backward)

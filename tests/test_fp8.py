@@ -1,0 +1,130 @@
+"""FP8 matmuls (jaxtrain/fp8.py): error within the formats' rounding bounds, zeros, very large
+values, scales, gradients; and a model step under `precision.matmul=fp8`."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrain import fp8, train_setup, trainer
+from tests.helpers import mesh_of, packed_batch, small_config, train_curves
+
+E4M3_UNIT = 2.0 ** -4  # e4m3: 3 mantissa bits, round to nearest
+E5M2_UNIT = 2.0 ** -3  # e5m2: 2 mantissa bits
+# Half the spacing of the subnormals, relative to the scale (the largest value maps to the max).
+E4M3_TINY = 2.0 ** -10
+E5M2_TINY = 2.0 ** -17
+
+
+def _rounding_bound(v, unit, tiny):
+  """Largest error of each element of v after scaling to the format and back."""
+  v = np.abs(np.asarray(v, np.float64))
+  return np.maximum(unit * v, tiny * v.max())
+
+
+def _product_bound(a, ea, b, eb):
+  """Bound on |a' @ b' - a @ b| with |a' - a| <= ea, |b' - b| <= eb elementwise."""
+  a, b = np.abs(np.asarray(a, np.float64)), np.abs(np.asarray(b, np.float64))
+  return a @ eb + ea @ b + ea @ eb
+
+
+def _operands(seed, n=48, i=96, o=40):
+  rng = np.random.default_rng(seed)
+  # Magnitudes over several orders, as activations have.
+  x = rng.normal(size=(n, i)) * np.exp(rng.normal(size=(n, i)))
+  return jnp.asarray(x, jnp.float32), jnp.asarray(rng.normal(size=(i, o)), jnp.float32)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-6, 1e20])
+def test_forward_error_within_e4m3_bounds(scale):
+  x, w = _operands(0)
+  x = x * scale
+  y = np.asarray(fp8.matmul(x, w, jnp.float32), np.float64)
+  want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  bound = _product_bound(x, _rounding_bound(x, E4M3_UNIT, E4M3_TINY),
+                         w, _rounding_bound(w, E4M3_UNIT, E4M3_TINY))
+  # Plus float32 accumulation, far below the FP8 rounding.
+  assert np.all(np.abs(y - want) <= bound * 1.001 + 1e-5 * np.abs(want)), np.max(
+      np.abs(y - want) / bound)
+  assert np.isfinite(y).all()
+  # Typical error: a few percent of the result's scale, not the worst case.
+  assert np.linalg.norm(y - want) / np.linalg.norm(want) < 0.05
+
+
+def test_gradients_within_e5m2_and_e4m3_bounds():
+  x, w = _operands(1)
+  g = jnp.asarray(np.random.default_rng(2).normal(size=(x.shape[0], w.shape[1])), jnp.float32)
+  _, vjp = jax.vjp(lambda a, b: fp8.matmul(a, b, jnp.float32), x, w)
+  dx, dw = (np.asarray(t, np.float64) for t in vjp(g))
+  x64, w64, g64 = (np.asarray(t, np.float64) for t in (x, w, g))
+  ex, ew = (_rounding_bound(t, E4M3_UNIT, E4M3_TINY) for t in (x64, w64))
+  eg = _rounding_bound(g64, E5M2_UNIT, E5M2_TINY)
+  assert np.all(np.abs(dx - g64 @ w64.T) <= _product_bound(g64, eg, w64.T, ew.T) * 1.001)
+  assert np.all(np.abs(dw - x64.T @ g64) <= _product_bound(x64.T, ex.T, g64, eg) * 1.001)
+  assert np.linalg.norm(dx - g64 @ w64.T) / np.linalg.norm(g64 @ w64.T) < 0.15
+  assert np.linalg.norm(dw - x64.T @ g64) / np.linalg.norm(x64.T @ g64) < 0.15
+
+
+def test_zeros_give_zeros_and_finite_gradients():
+  x, w = jnp.zeros((8, 16)), jnp.ones((16, 4))
+  y, vjp = jax.vjp(lambda a, b: fp8.matmul(a, b, jnp.float32), x, w)
+  dx, dw = vjp(jnp.ones_like(y))
+  assert not np.asarray(y).any() and np.isfinite(dx).all() and not np.asarray(dw).any()
+  assert float(fp8.scale_of(x, fp8.E4M3)) == 1.0
+
+
+def test_scales_map_the_largest_magnitude_to_the_formats_largest_value():
+  x = jnp.asarray([[-3.0, 0.5], [1.0, 2.0]])
+  for dtype, top in ((fp8.E4M3, 448.0), (fp8.E5M2, 57344.0)):
+    q, s = fp8.quantize(x, dtype)
+    assert q.dtype == dtype and float(s) == np.float32(3.0 / top)
+    assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == top
+    assert float(q[0, 0].astype(jnp.float32)) == -top
+
+
+def test_outputs_and_gradients_keep_their_dtypes():
+  x, w = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 2), jnp.float32)
+  y, vjp = jax.vjp(lambda a, b: fp8.matmul(a, b, jnp.bfloat16), x, w)
+  dx, dw = vjp(jnp.ones_like(y))
+  assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
+
+
+def _small(precision, **model):
+  config = small_config(**model)
+  config.precision.matmul = precision
+  return config
+
+
+def test_every_projection_runs_in_fp8_forward_and_backward():
+  """Unrolled layers without remat: each layer's 7 projections (q, k, v, o, gate, up, down) are
+  3 FP8 dots each (the forward, and the backward's two), e4m3 by e4m3 forward and e5m2 by e4m3
+  backward; the output head stays in the compute dtype."""
+  config = _small("fp8", scan_layers=False, remat_policy="none")
+  setup = train_setup.build(config, mesh_of({}))
+  state = train_setup.abstract_state(setup, 0)
+  batch = trainer.to_global_batch(packed_batch(config.train.global_batch_size,
+                                               config.train.seq_len, config.model.vocab_size),
+                                  setup.mesh)
+  with jax.set_mesh(setup.mesh):
+    text = setup.train_step.lower(state, batch).as_text()
+  dots = re.findall(r"stablehlo.dot_general.*", text)
+  forward = [d for d in dots if d.count("f8E4M3FN>") >= 2]
+  backward = [d for d in dots if "f8E5M2>" in d and "f8E4M3FN>" in d]
+  layers = config.model.num_layers
+  assert (len(forward), len(backward)) == (7 * layers, 14 * layers), (len(forward),
+                                                                       len(backward))
+
+
+def test_fp8_training_follows_the_default_run():
+  """A few steps of the small model: the FP8 losses within 1% of the compute dtype's."""
+  base = train_curves(_small("none"), {}, steps=4)
+  low = train_curves(_small("fp8"), {}, steps=4)
+  np.testing.assert_allclose(low["loss"], base["loss"], rtol=1e-2)
+  assert np.isfinite(low["grad_norm"]).all()
+
+
+def test_an_unknown_matmul_precision_is_a_one_line_error():
+  from tests.helpers import assert_one_line_config_error  # pylint: disable=import-outside-toplevel
+  assert_one_line_config_error(_small("fp4"), 1, ["precision.matmul='fp4'", "none, fp8"])
