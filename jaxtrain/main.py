@@ -33,6 +33,9 @@ _DRY_RUN = flags.DEFINE_bool(
 _DRY_RUN_TARGET = flags.DEFINE_string(
     "dry_run_target", None, "Target to compile the dry run for instead of the config's "
     "`target`: h100x8, h200x64, a100x16, l4x1, b200x8, v4-N, v5p-N, v5e-N, v6e-N or cpu.")
+_DRY_RUN_HLO = flags.DEFINE_string(
+    "dry_run_hlo", None, "With --dry_run: write the compiled step's optimized HLO text to this "
+    "file (what the target's compiler made of the step: its fusions, collectives, matmul types).")
 _DRY_RUN_DEVICES = flags.DEFINE_integer(
     "dry_run_devices", None, "Model an unnamed accelerator on N emulated CPU devices (XLA:CPU, "
     "an estimate) instead of compiling for a target.")
@@ -98,10 +101,14 @@ def main(argv):
   workdir = _WORKDIR.value or _default_workdir()
   start = time.perf_counter()
   try:
+    if _DRY_RUN_HLO.value and not _DRY_RUN.value:
+      raise ConfigError(f"--dry_run_hlo={_DRY_RUN_HLO.value}: only with --dry_run (it writes "
+                        f"the dry run's compiled step)")
     if _DRY_RUN.value:
       from jaxtrain.dryrun import command  # pylint: disable=import-outside-toplevel
       sys.exit(command.main(config, _DRY_RUN_DEVICES.value, _DRY_RUN_TARGET.value,
-                            config_flags.get_config_filename(flags.FLAGS["config"])))
+                            config_flags.get_config_filename(flags.FLAGS["config"]),
+                            hlo_path=_DRY_RUN_HLO.value))
     try:
       mesh_shape = validate(config, jax.device_count(), jax.default_backend(),
                             num_processes=jax.process_count(), num_slices=num_slices())

@@ -128,3 +128,54 @@ def test_fp8_training_follows_the_default_run():
 def test_an_unknown_matmul_precision_is_a_one_line_error():
   from tests.helpers import assert_one_line_config_error  # pylint: disable=import-outside-toplevel
   assert_one_line_config_error(_small("fp4"), 1, ["precision.matmul='fp4'", "none, fp8"])
+
+
+HLO = """HloModule m
+%gemm_fusion (p0: f8e4m3fn[4,8], p1: f8e5m2[8,2]) -> bf16[4,2] {
+  %p0 = f8e4m3fn[4,8]{1,0} parameter(0)
+  %p1 = f8e5m2[8,2]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[4,2]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+ENTRY %main (a: f8e4m3fn[4,8], b: f8e4m3fn[8,2], c: bf16[2,3]) -> bf16[4,3] {
+  %a = f8e4m3fn[4,8]{1,0} parameter(0)
+  %b = f8e4m3fn[8,2]{1,0} parameter(1)
+  %c = bf16[2,3]{1,0} parameter(2)
+  %dot.2 = bf16[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %dot.3 = bf16[4,3]{1,0} dot(%dot.2, %c), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_hlo_dots_are_counted_by_operand_types():
+  from jaxtrain.dryrun import hlo_dots, hlo_flops  # pylint: disable=import-outside-toplevel
+  counts = hlo_dots.dot_operand_types(HLO)
+  assert counts == {("f8e4m3fn", "f8e5m2"): 1, ("f8e4m3fn", "f8e4m3fn"): 1, ("bf16", "bf16"): 1}
+  assert hlo_dots.fp8_dots(counts) == (1, 1)
+  assert hlo_dots.describe(counts) == ("1 e4m3 x e4m3 (forward), 1 with an e5m2 gradient "
+                                       "(backward), 1 in bf16")
+  # FLOPs of FP8 dots count like any others' (2 * outputs * contracted size): the entry's two
+  # (the fusion computation is called from nowhere here, so it runs 0 times).
+  assert hlo_flops.count(HLO).flops == 2 * (4 * 2) * 8 + 2 * (4 * 3) * 2
+
+
+@pytest.mark.slow(seconds=20)
+def test_llama8b_fp8_step_for_h100_multiplies_every_projection_in_fp8(tmp_path):
+  """`--dry_run --dry_run_hlo` of configs/llama8b.py with precision.matmul=fp8, compiled by
+  XLA's GPU compiler for h100x8: it fits, and the optimized HLO's scanned layer multiplies each
+  of its 7 projections in FP8 three times (e4m3 x e4m3 forward; the input and weight gradients
+  with the e5m2 output gradient); only the output head's matmuls stay in bfloat16."""
+  from jaxtrain.dryrun import hlo_dots, targets  # pylint: disable=import-outside-toplevel
+  from tests.helpers import run_cli  # pylint: disable=import-outside-toplevel
+  missing = targets.compiler_missing(targets.parse("h100x8"))
+  if missing:
+    pytest.skip(missing)
+  path = tmp_path / "step.hlo.txt"
+  proc = run_cli("--config=configs/llama8b.py", "--config.precision.matmul=fp8", "--dry_run",
+                 f"--dry_run_hlo={path}")
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  last = proc.stdout.strip().splitlines()[-1]
+  assert "fits=yes" in last and "compiler=gpu" in last, last
+  counts = hlo_dots.dot_operand_types(path.read_text())
+  assert hlo_dots.fp8_dots(counts) == (7, 14), counts
+  assert counts[("bf16", "bf16")] == 3, counts  # the head: forward, and its two gradients
+  assert "matmuls       fp8: 7 e4m3 x e4m3 (forward), 14 with an e5m2" in proc.stdout

@@ -30,7 +30,7 @@ from jaxtrain import metrics, objectives
 from jaxtrain.parallel import pipeline
 from jaxtrain.config import ConfigError
 from jaxtrain.config_checks import validate
-from jaxtrain.dryrun import breakdown
+from jaxtrain.dryrun import breakdown, hlo_dots
 from jaxtrain.dryrun import measure as aot
 from jaxtrain.dryrun import suggestions, targets
 from jaxtrain.dryrun.targets import GIB, Target, format_bytes, verdict
@@ -57,8 +57,9 @@ def resolve_target(name: str) -> Target:
 
 
 def main(config, num_devices: int | None, target_name: str | None = None,
-         config_name: str = "") -> int:
-  """CLI entry (main.py --dry_run). Returns the exit code; ConfigError propagates."""
+         config_name: str = "", hlo_path: str | None = None) -> int:
+  """CLI entry (main.py --dry_run). Returns the exit code; ConfigError propagates. `hlo_path`:
+  where to write the compiled step's optimized HLO text (--dry_run_hlo)."""
   import jax  # pylint: disable=import-outside-toplevel  (after main.py set up the process)
   if num_devices is not None and target_name:
     raise ConfigError("--dry_run_devices and --dry_run_target: give one (a target compiles with "
@@ -69,7 +70,7 @@ def main(config, num_devices: int | None, target_name: str | None = None,
   if target is not None and target.chip is not None:
     missing = targets.compiler_missing(target)
     if missing is None:
-      run(config, targets.devices(target), target, config_name)
+      run(config, targets.devices(target), target, config_name, hlo_path=hlo_path)
       return 0
     if not os.environ.get(_CHILD_ENV):
       print(f"note: {missing}", flush=True)
@@ -81,7 +82,7 @@ def main(config, num_devices: int | None, target_name: str | None = None,
     if os.environ.get(_CHILD_ENV):
       raise RuntimeError(f"asked for {n} emulated CPU devices, got {len(cpu_devices)}")
     return _rerun_with_cpu_devices(n)
-  run(config, cpu_devices[:n], target, config_name)
+  run(config, cpu_devices[:n], target, config_name, hlo_path=hlo_path)
   return 0
 
 
@@ -121,12 +122,17 @@ def memories_for(target: Target | None, config) -> suggestions.Memories:
   return table
 
 
-def run(config, devices, target: Target | None, config_name: str = "", out=None) -> Result:
+def run(config, devices, target: Target | None, config_name: str = "", out=None,
+        hlo_path: str | None = None) -> Result:
   """Measures `config` on `devices` for `target` (None: an unnamed accelerator modelled on CPU
-  devices), prints the report through `out`, returns the figures."""
+  devices), prints the report through `out`, returns the figures; writes the compiled step's
+  optimized HLO text to `hlo_path` when given."""
   out = out or (lambda line: print(line, flush=True))
   start = time.perf_counter()
   base = aot.measure(config, devices, _platform_for(devices, target), with_breakdown=True)
+  if hlo_path:
+    with open(hlo_path, "w", encoding="utf-8") as f:
+      f.write(base.hlo)
   table = memories_for(target, config)
   judged_name, judged = next(iter(table.items()))
   fits = verdict(judged, base.total).fits
@@ -150,6 +156,9 @@ def run(config, devices, target: Target | None, config_name: str = "", out=None)
     for line in suggestions.describe(options, base, table):
       out(line)
   last = last_line(base, target, fits)
+  if hlo_path:
+    out("")
+    out(f"optimized HLO of the compiled step ({_compiler_name(base)}): {hlo_path}")
   out("")
   out(f"dry run took {time.perf_counter() - start:.1f} s"
       + ("" if target is not None else f"; fits= judged against {judged_name}"))
@@ -229,6 +238,10 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
                  f"{o.state_dtype} in {'pinned host' if o.offload_state else 'device'} "
                  f"memory" + (f" ({m.offload_note})" if m.offload_note else "")),
       ("remat", cfg.runtime.remat_policy + (f" ({m.remat_note})" if m.remat_note else "")),
+      *([("matmuls", f"{cfg.runtime.matmul_precision}: "
+                     f"{hlo_dots.describe(hlo_dots.dot_operand_types(m.hlo))} dots in the "
+                     f"compiled step (a loop body once)")]
+        if cfg.runtime.matmul_precision != "none" else []),
       ("attention", m.attention_note),
       ("compile", f"{m.compile_s:.1f} s"),
   ]

@@ -27,7 +27,8 @@ from typing import Callable
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_ARRAY = re.compile(r"^[a-z]+\d*\[([\d,]*)\]")
+# Element types: f32, bf16, pred, and the FP8 ones (f8e4m3fn, f8e5m2, ...).
+_ARRAY = re.compile(r"^[a-z][a-z0-9]*\[([\d,]*)\]")
 _CALLEE = re.compile(r"\b(calls|body|to_apply|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
 # A conditional's branches: `branch_computations={...}`, or `true_computation=` /
 # `false_computation=` for a boolean predicate. One of them runs: counted as the costliest.

@@ -1,0 +1,57 @@
+"""The matmuls of a compiled XLA program by operand element types: the evidence that a
+low-precision step (precision.matmul) multiplies in FP8 on the target, whichever form its
+compiler chose (XLA:GPU puts a dot inside a Triton GEMM fusion or calls cuBLASLt; the TPU
+compiler keeps dots).
+
+Each `dot` instruction is counted once where it appears in the optimized HLO text (a scanned
+layer's body once, not once per layer). Its operands' types are the element types their
+defining instructions produce in the same computation (a fusion's parameters included).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*([a-z]\w*)\[")
+_DOT = re.compile(r"\s(?:dot|scaled-dot)\(%([\w.\-]+),\s*%([\w.\-]+)")
+FP8_TYPES = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz")
+
+
+def dot_operand_types(hlo: str) -> collections.Counter:
+  """Counter {(lhs element type, rhs element type): dots} of the program's text."""
+  counts: collections.Counter = collections.Counter()
+  types: dict[str, str] = {}
+  for line in hlo.splitlines():
+    if _COMPUTATION.match(line):
+      types = {}  # names are local to their computation
+      continue
+    defined = _DEFINITION.match(line)
+    if not defined:
+      continue
+    types[defined.group(1)] = defined.group(2)
+    dot = _DOT.search(line)
+    if dot:
+      counts[(types.get(dot.group(1), "?"), types.get(dot.group(2), "?"))] += 1
+  return counts
+
+
+def fp8_dots(counts: collections.Counter) -> tuple[int, int]:
+  """(dots with both operands e4m3: the forward's, dots with an e5m2 operand: the backward's)."""
+  forward = sum(n for (a, b), n in counts.items() if a == b == "f8e4m3fn")
+  backward = sum(n for (a, b), n in counts.items()
+                 if "f8e5m2" in (a, b) and {a, b} <= set(FP8_TYPES))
+  return forward, backward
+
+
+def describe(counts: collections.Counter) -> str:
+  """'7 e4m3 x e4m3, 14 with e5m2 gradients, 3 in bf16' (the dry run's matmul row)."""
+  forward, backward = fp8_dots(counts)
+  other = collections.Counter()
+  for (a, b), n in counts.items():
+    if a not in FP8_TYPES and b not in FP8_TYPES:
+      other[a if a == b else f"{a} x {b}"] += n
+  parts = [f"{forward} e4m3 x e4m3 (forward)", f"{backward} with an e5m2 gradient (backward)"]
+  parts += [f"{n} in {t}" for t, n in sorted(other.items())]
+  return ", ".join(parts)
