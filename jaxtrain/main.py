@@ -76,6 +76,17 @@ def _initialize_distributed(config):
     distributed.exit_with_error("distributed error", str(e), 2)
 
 
+def _check_precision(config, device) -> None:
+  """precision.matmul against the chip the run landed on (FP8 needs FP8 matmul units); CPU
+  computes any precision (by converting)."""
+  from jaxtrain.config import ConfigError  # pylint: disable=import-outside-toplevel
+  from jaxtrain.dryrun import targets  # pylint: disable=import-outside-toplevel
+  chip = None if device.platform == "cpu" else targets.chip_of_device_kind(device.device_kind)
+  refusal = targets.precision_refusal(config.precision.matmul, chip)
+  if refusal:
+    raise ConfigError(refusal)
+
+
 def main(argv):
   del argv  # parse_flags refused positional arguments
   config = _CONFIG.value
@@ -112,6 +123,7 @@ def main(argv):
     try:
       mesh_shape = validate(config, jax.device_count(), jax.default_backend(),
                             num_processes=jax.process_count(), num_slices=num_slices())
+      _check_precision(config, jax.devices()[0])
     except ConfigError as e:
       # Every process checks the same config against the same global devices, so all fail
       # here alike: they leave together, each saying so, through JAX's shutdown barrier.

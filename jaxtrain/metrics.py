@@ -124,15 +124,16 @@ def measure_cpu_matmul_peak(n: int = _CPU_MATMUL_N, budget_s: float = _CPU_MEASU
   return 2.0 * n ** 3 / best
 
 
-def _lookup_peak(device_kind: str) -> Optional[tuple[float, str]]:
-  found = targets.chip_for_device_kind(device_kind)
-  if found is None:
+def _lookup_peak(device_kind: str, precision: str) -> Optional[tuple[float, str]]:
+  found = targets.chip_for_device_kind(device_kind, precision)
+  if found is None or not found[1]:
     return None
   name, peak = found
-  return peak, f"{name} dense bf16 peak (table), device_kind {device_kind!r}"
+  kind = "fp8" if precision == "fp8" else "bf16"
+  return peak, f"{name} dense {kind} peak (table), device_kind {device_kind!r}"
 
 
-def peak_flops_per_device(device) -> tuple[Optional[float], str]:
+def peak_flops_per_device(device, precision: str = "none") -> tuple[Optional[float], str]:
   """Peak FLOP/s of one device and where the figure comes from.
 
   Accelerators: looked up in the accelerator table (jaxtrain/dryrun/targets.py) by
@@ -140,7 +141,8 @@ def peak_flops_per_device(device) -> tuple[Optional[float], str]:
   matmul throughput divided by the number of local CPU devices -- emulated CPU devices
   (`jax_num_cpu_devices`) all share the same cores, so each gets that share, and per-device peak
   times device count is the host's peak. Unknown accelerators: (None, reason), so that MFU is
-  shown as n/a instead of a wrong number.
+  shown as n/a instead of a wrong number. `precision` (precision.matmul): "fp8" takes the
+  chip's FP8 peak, so MFU is against the peak of the precision in use.
   """
   if device.platform == "cpu":
     import jax
@@ -148,18 +150,20 @@ def peak_flops_per_device(device) -> tuple[Optional[float], str]:
     host = measure_cpu_matmul_peak()
     return host / num_cpu, (f"measured: f32 {_CPU_MATMUL_N}² matmul, host shared by {num_cpu} "
                             f"CPU device(s)")
-  found = _lookup_peak(str(device.device_kind))
+  found = _lookup_peak(str(device.device_kind), precision)
   if found is None:
     return None, (f"unknown device kind {device.device_kind!r} (platform {device.platform}); "
                   f"no peak FLOP/s known, MFU not reported")
   return found
 
 
-def peak_flops_for_devices(devices: Sequence[Any]) -> tuple[Optional[float], str]:
-  """Summed peak FLOP/s over `devices` (assumed homogeneous; the first one is looked up)."""
+def peak_flops_for_devices(devices: Sequence[Any], precision: str = "none"
+                           ) -> tuple[Optional[float], str]:
+  """Summed peak FLOP/s over `devices` (assumed homogeneous; the first one is looked up) for
+  precision.matmul=`precision`."""
   if not devices:
     return None, "no devices"
-  per_device, source = peak_flops_per_device(devices[0])
+  per_device, source = peak_flops_per_device(devices[0], precision)
   if per_device is None:
     return None, source
   return per_device * len(devices), source

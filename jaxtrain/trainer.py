@@ -123,7 +123,8 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
   data_source = objective.data_module()
   # This process reads only the batch rows its devices hold.
   train_iter, eval_batches = data_shards.open_data(config, mesh, data_source)
-  peak, peak_source = metrics_lib.peak_flops_for_devices(jax.devices())
+  peak, peak_source = metrics_lib.peak_flops_for_devices(jax.devices(),
+                                                         config.precision.matmul)
   tokens_per_step = objective.tokens_per_step(config)
   flops_per_token = objective.flops_per_token(config, setup.model_cfg)
   ckpt = _checkpointer(config, workdir)

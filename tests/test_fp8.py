@@ -179,3 +179,23 @@ def test_llama8b_fp8_step_for_h100_multiplies_every_projection_in_fp8(tmp_path):
   assert hlo_dots.fp8_dots(counts) == (7, 14), counts
   assert counts[("bf16", "bf16")] == 3, counts  # the head: forward, and its two gradients
   assert "matmuls       fp8: 7 e4m3 x e4m3 (forward), 14 with an e5m2" in proc.stdout
+
+
+@pytest.mark.parametrize("target", ["a100x8", "v5p-8", "v6e-8"])
+def test_fp8_on_a_target_without_fp8_units_is_refused_in_one_line(target):
+  from tests.helpers import run_cli  # pylint: disable=import-outside-toplevel
+  proc = run_cli("--config=configs/tiny.py", "--config.precision.matmul=fp8", "--dry_run",
+                 f"--dry_run_target={target}")
+  assert proc.returncode == 2
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and "has no FP8 matmul units" in lines[0], proc.stderr
+  assert "targets that have them: h100, h200, b200, l4" in lines[0]
+
+
+def test_mfu_is_against_the_peak_of_the_precision_in_use():
+  from jaxtrain.dryrun import targets  # pylint: disable=import-outside-toplevel
+  kind = "NVIDIA H100 80GB HBM3"
+  assert targets.chip_for_device_kind(kind) == ("NVIDIA H100 80GB (SXM)", 989e12)
+  assert targets.chip_for_device_kind(kind, "fp8") == ("NVIDIA H100 80GB (SXM)", 1979e12)
+  assert targets.chip_for_device_kind("NVIDIA A100-SXM4-80GB", "fp8")[1] == 0
+  assert targets.chip_for_device_kind("NVIDIA H100 PCIe", "fp8")[1] == 1513e12

@@ -67,6 +67,9 @@ def main(config, num_devices: int | None, target_name: str | None = None,
   if num_devices is not None and num_devices < 1:
     raise ConfigError(f"--dry_run_devices={num_devices}: must be a positive device count")
   target = None if num_devices is not None else resolve_target(target_name or config.target)
+  refusal = targets.precision_refusal(config.precision.matmul, target and target.chip)
+  if refusal:
+    raise ConfigError(refusal)
   if target is not None and target.chip is not None:
     missing = targets.compiler_missing(target)
     if missing is None:

@@ -68,6 +68,8 @@ class Chip:
   cores_per_chip: int = 1
   torus_dims: int = 0
   counts: tuple[int, ...] = ()
+  # Dense FP8 peak FLOP/s per JAX device (datasheets); 0: no FP8 matmul units.
+  peak_fp8_flops: float = 0.0
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -79,19 +81,19 @@ _GPU_COUNTS = (1, 2, 4) + tuple(range(8, 16385, 8))
 CHIPS: tuple[Chip, ...] = (
     Chip("h100", "NVIDIA H100 80GB (SXM)", "gpu", 84_929_347_584, 989e12, r"h100(?!.*pcie)",
          GpuSpec((9, 0), 132, 233_472, 232_448, 2048, 128, 50 * 2 ** 20, 3.35e12, 1.98),
-         "NVIDIA H100 80GB HBM3", counts=_GPU_COUNTS),
+         "NVIDIA H100 80GB HBM3", counts=_GPU_COUNTS, peak_fp8_flops=1979e12),
     Chip("h200", "NVIDIA H200 141GB", "gpu", 150_754_820_096, 989e12, r"h200",
          GpuSpec((9, 0), 132, 233_472, 232_448, 2048, 128, 50 * 2 ** 20, 4.8e12, 1.98),
-         "NVIDIA H200", counts=_GPU_COUNTS),
+         "NVIDIA H200", counts=_GPU_COUNTS, peak_fp8_flops=1979e12),
     Chip("b200", "NVIDIA B200 180GB", "gpu", 192_265_846_784, 2250e12, r"b200",
          GpuSpec((10, 0), 148, 233_472, 232_448, 2048, 128, 126 * 2 ** 20, 8.0e12, 1.965),
-         "NVIDIA B200", counts=_GPU_COUNTS),
+         "NVIDIA B200", counts=_GPU_COUNTS, peak_fp8_flops=4500e12),
     Chip("a100", "NVIDIA A100 80GB", "gpu", 85_051_572_224, 312e12, r"a100",
          GpuSpec((8, 0), 108, 167_936, 166_912, 2048, 64, 40 * 2 ** 20, 2.039e12, 1.41),
          "NVIDIA A100-SXM4-80GB", counts=_GPU_COUNTS),
     Chip("l4", "NVIDIA L4 24GB", "gpu", 24_152_899_584, 121e12, r"\bl4\b",
          GpuSpec((8, 9), 58, 102_400, 101_376, 1536, 128, 48 * 2 ** 20, 0.3e12, 2.04),
-         "NVIDIA L4", counts=_GPU_COUNTS),
+         "NVIDIA L4", counts=_GPU_COUNTS, peak_fp8_flops=242.5e12),
     # JAX reports v5e as "TPU v5 lite", v6e as "TPU v6 lite", v5p as "TPU v5p" or "TPU v5".
     Chip("v4", "TPU v4", "tpu", int(30.75 * GIB), 275e12, r"tpu\s*v4(?!\s*lite|i)", cores_per_chip=2,
          torus_dims=3, counts=_powers_of_two(8, 4096)),
@@ -102,9 +104,9 @@ CHIPS: tuple[Chip, ...] = (
     Chip("v6e", "TPU v6e", "tpu", int(31.25 * GIB), 918e12, r"tpu\s*v6\s*(lite|e\b)", torus_dims=2,
          counts=(1,) + _powers_of_two(4, 256)),
 )
-# Known for MFU only (no target name): datasheet peaks of chips a run may land on.
-OTHER_PEAKS: tuple[tuple[str, str, float], ...] = (
-    (r"h100.*pcie", "NVIDIA H100 PCIe", 756e12),
+# Known for MFU only (no target name): datasheet peaks (bf16, fp8) of chips a run may land on.
+OTHER_PEAKS: tuple[tuple[str, str, float, float], ...] = (
+    (r"h100.*pcie", "NVIDIA H100 PCIe", 756e12, 1513e12),
 )
 _BY_KEY = {c.key: c for c in CHIPS}
 
@@ -178,16 +180,33 @@ def parse(name: str) -> Target:
   return Target(f"{chip.key}{match.group(2)}{count}", chip, count)
 
 
-def chip_for_device_kind(device_kind: str) -> tuple[str, float] | None:
-  """(name, dense bf16 peak FLOP/s) of the chip jax calls `device_kind`, or None if unknown."""
+def chip_for_device_kind(device_kind: str, precision: str = "none") -> tuple[str, float] | None:
+  """(name, dense peak FLOP/s) of the chip jax calls `device_kind`, or None if unknown: the
+  bfloat16 peak, or with precision.matmul="fp8" the FP8 peak (0 on a chip without FP8 units)."""
   kind = device_kind.strip().lower()
-  for pattern, name, peak in OTHER_PEAKS:  # more specific variants first (H100 PCIe)
+  fp8 = precision == "fp8"
+  for pattern, name, peak, peak_fp8 in OTHER_PEAKS:  # more specific variants first (H100 PCIe)
     if re.search(pattern, kind):
-      return name, peak
-  for chip in CHIPS:
-    if re.search(chip.device_kind, kind):
-      return chip.name, chip.peak_bf16_flops
-  return None
+      return name, peak_fp8 if fp8 else peak
+  chip = chip_of_device_kind(kind)
+  if chip is None:
+    return None
+  return chip.name, chip.peak_fp8_flops if fp8 else chip.peak_bf16_flops
+
+
+def chip_of_device_kind(device_kind: str) -> Chip | None:
+  kind = device_kind.strip().lower()
+  return next((c for c in CHIPS if re.search(c.device_kind, kind)), None)
+
+
+def precision_refusal(precision: str, chip: Chip | None) -> str | None:
+  """One line when `chip` cannot run precision.matmul=`precision` (FP8 without FP8 units);
+  None when it can, or for this host's CPU (XLA:CPU computes FP8 by converting)."""
+  if precision != "fp8" or chip is None or chip.peak_fp8_flops:
+    return None
+  have = ", ".join(c.key for c in CHIPS if c.peak_fp8_flops)
+  return (f"precision.matmul='fp8': {chip.name} has no FP8 matmul units; targets that have "
+          f"them: {have} (or precision.matmul='none')")
 
 
 # --- the deviceless compilers ------------------------------------------------------------------
