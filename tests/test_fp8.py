@@ -199,3 +199,23 @@ def test_mfu_is_against_the_peak_of_the_precision_in_use():
   assert targets.chip_for_device_kind(kind, "fp8") == ("NVIDIA H100 80GB (SXM)", 1979e12)
   assert targets.chip_for_device_kind("NVIDIA A100-SXM4-80GB", "fp8")[1] == 0
   assert targets.chip_for_device_kind("NVIDIA H100 PCIe", "fp8")[1] == 1513e12
+
+
+@pytest.mark.slow(seconds=8)
+def test_tpu7x_compiles_the_fp8_projections_as_fp8_matmuls(tmp_path):
+  """libtpu's compiler for TPU v7x (deviceless) keeps the tiny model's projections FP8: the
+  scanned layer's 7 forward matmuls e4m3 x e4m3 and 14 backward ones with the e5m2 gradient
+  (as `convolution`s, its form of a matmul)."""
+  from jaxtrain.dryrun import hlo_dots, targets  # pylint: disable=import-outside-toplevel
+  from tests.helpers import run_cli  # pylint: disable=import-outside-toplevel
+  missing = targets.compiler_missing(targets.parse("tpu7x-8"))
+  if missing:
+    pytest.skip(missing)
+  path = tmp_path / "step.hlo.txt"
+  proc = run_cli("--config=configs/tiny.py", "--config.precision.matmul=fp8", "--dry_run",
+                 "--dry_run_target=tpu7x-8", f"--dry_run_hlo={path}")
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  last = proc.stdout.strip().splitlines()[-1]
+  assert "target=tpu7x-8 compiler=tpu devices=8" in last and "fits=yes" in last, last
+  assert "8 TPU v7x TensorCores, 94.8 GiB each" in proc.stdout
+  assert hlo_dots.fp8_dots(hlo_dots.dot_operand_types(path.read_text())) == (7, 14)

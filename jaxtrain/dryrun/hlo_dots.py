@@ -1,9 +1,9 @@
 """The matmuls of a compiled XLA program by operand element types: the evidence that a
 low-precision step (precision.matmul) multiplies in FP8 on the target, whichever form its
-compiler chose (XLA:GPU puts a dot inside a Triton GEMM fusion or calls cuBLASLt; the TPU
-compiler keeps dots).
+compiler chose (XLA:GPU puts a dot inside a Triton GEMM fusion or calls cuBLASLt; libtpu turns
+dots into `convolution`s).
 
-Each `dot` instruction is counted once where it appears in the optimized HLO text (a scanned
+Each `dot` (or `convolution`) instruction is counted once where it appears in the optimized HLO text (a scanned
 layer's body once, not once per layer). Its operands' types are the element types their
 defining instructions produce in the same computation (a fusion's parameters included).
 """
@@ -15,7 +15,8 @@ import re
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*([a-z]\w*)\[")
-_DOT = re.compile(r"\s(?:dot|scaled-dot)\(%([\w.\-]+),\s*%([\w.\-]+)")
+# libtpu rewrites dots into `convolution`s; XLA:GPU keeps `dot`s (inside GEMM fusions).
+_DOT = re.compile(r"\s(?:dot|scaled-dot|convolution)\(%([\w.\-]+),\s*%([\w.\-]+)")
 FP8_TYPES = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz")
 
 

@@ -70,6 +70,8 @@ class Chip:
   counts: tuple[int, ...] = ()
   # Dense FP8 peak FLOP/s per JAX device (datasheets); 0: no FP8 matmul units.
   peak_fp8_flops: float = 0.0
+  # JAX devices per chip: 1 (a GPU; a megacore TPU chip), 2 on v7x (each TensorCore a device).
+  devices_per_chip: int = 1
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -103,6 +105,11 @@ CHIPS: tuple[Chip, ...] = (
          counts=(1,) + _powers_of_two(4, 256)),
     Chip("v6e", "TPU v6e", "tpu", int(31.25 * GIB), 918e12, r"tpu\s*v6\s*(lite|e\b)", torus_dims=2,
          counts=(1,) + _powers_of_two(4, 256)),
+    # Ironwood: two TensorCores per chip, each its own JAX device with half the chip's 192 GB
+    # (libtpu reports 94.75 GiB available) and half its peaks (2307 TFLOP/s bf16, 4614 fp8).
+    Chip("tpu7x", "TPU v7x", "tpu", int(94.75 * GIB), 1153.5e12, r"tpu\s*7x", cores_per_chip=2,
+         torus_dims=3, counts=_powers_of_two(8, 16384), peak_fp8_flops=2307e12,
+         devices_per_chip=2),
 )
 # Known for MFU only (no target name): datasheet peaks (bf16, fp8) of chips a run may land on.
 OTHER_PEAKS: tuple[tuple[str, str, float, float], ...] = (
@@ -124,11 +131,12 @@ class Target:
 
   @property
   def num_devices(self) -> int:
-    """JAX devices: one per GPU, per TPU chip (megacore), or this process's CPU devices."""
+    """JAX devices: one per GPU, per TPU chip (megacore) or TensorCore (v7x), or this
+    process's CPU devices."""
     if self.chip is None:
       import jax  # pylint: disable=import-outside-toplevel
       return len(jax.devices("cpu"))
-    return self.count // self.chip.cores_per_chip
+    return self.count // self.chip.cores_per_chip * self.chip.devices_per_chip
 
   @property
   def memory_bytes(self) -> int:
@@ -150,6 +158,8 @@ class Target:
     if self.chip is None:
       return f"this host's CPU ({self.num_devices} devices, {self.memory_bytes / GIB:.1f} GiB each)"
     unit = {"gpu": "GPUs", "tpu": "chips"}[self.chip.compiler]
+    if self.chip.devices_per_chip > 1:
+      unit = "TensorCores"
     return (f"{self.num_devices} {self.chip.name} {unit}, {self.memory_bytes / GIB:.1f} GiB "
             f"each")
 
@@ -159,7 +169,7 @@ def valid_names() -> str:
   gpus = ", ".join(f"{c.key}xN" for c in CHIPS if c.compiler == "gpu")
   tpus = ", ".join(f"{c.key}-N" for c in CHIPS if c.compiler == "tpu")
   return (f"{gpus} (N = 1, 2, 4 or a multiple of 8); {tpus} (N as Cloud TPU counts: cores for "
-          f"v4/v5p, chips for v5e/v6e, e.g. v5p-8, v5e-4); cpu")
+          f"v4/v5p/tpu7x, chips for v5e/v6e, e.g. v5p-8, v5e-4, tpu7x-8); cpu")
 
 
 def parse(name: str) -> Target:
@@ -236,7 +246,7 @@ def devices(target: Target) -> list:
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   if target.compiler == "tpu":
     options = _tpu_host_bounds(target)
-    if target.chip.cores_per_chip == 2:
+    if target.chip.cores_per_chip == 2 and target.chip.devices_per_chip == 1:
       options["chip_config_name"] = "megacore"  # one JAX device per chip, as on the pods
     with _libtpu_outside_tpu_vms():
       topology = topologies.get_topology_desc(
