@@ -3,8 +3,10 @@
 #   1. the Pallas flash-attention kernels compiled for the GPU against the float32 reference
 #      (output and dq/dk/dv, bf16 inputs), and the compiled kernel tests;
 #   2. benchmarks/attention.py: pallas vs cudnn vs xla forward+backward at T = 2048/4096/8192;
-#   3. a short bf16 training run of Llama 3.2 1B with each GPU attention implementation,
-#      reporting tokens/s and MFU from metrics.jsonl (each run passes the pre-flight check first);
+#   3. a short bf16 training run of Llama 3.2 1B with each GPU attention implementation, and
+#      one with its projections in FP8 (precision.matmul=fp8), reporting tokens/s and MFU from
+#      metrics.jsonl (each run passes the pre-flight check first; FP8's MFU is against the FP8
+#      peak);
 #   4. the dry run's deviceless compile for this GPU's target (h200x1 / h100x1) against the same
 #      step compiled on the GPU itself: per-device GiB of each and their ratio.
 # Needs a Python with jaxtrain[cuda12] installed (PYTHON, default .venv/bin/python).
@@ -31,10 +33,13 @@ JAX_PLATFORMS=cuda JAXTRAIN_PALLAS_COMPILED=1 timeout 150 "$PY" -m pytest -q -x 
 echo "== 2/4 attention benchmark (bf16, causal, E=128)"
 timeout 150 "$PY" benchmarks/attention.py --iters 10 2>&1 | tee "$OUT_DIR/attention.log"
 
-echo "== 3/4 Llama 3.2 1B, bf16, 20 steps per attention implementation"
-for impl in pallas cudnn; do
-  timeout 120 "$PY" -m jaxtrain.main --config=configs/llama3_1b.py \
-    --workdir="$OUT_DIR/llama3_1b_$impl" --config.attention.impl=$impl \
+echo "== 3/4 Llama 3.2 1B, bf16, 20 steps per attention implementation; then FP8 matmuls"
+for run in pallas:none cudnn:none cudnn:fp8; do
+  impl=${run%%:*} matmul=${run##*:}
+  [[ $matmul == none ]] || impl="$impl-$matmul"
+  timeout 100 "$PY" -m jaxtrain.main --config=configs/llama3_1b.py \
+    --workdir="$OUT_DIR/llama3_1b_$impl" --config.attention.impl=${run%%:*} \
+    --config.precision.matmul=$matmul \
     --config.train.steps=20 --config.train.global_batch_size=8 --config.train.seq_len=2048 \
     --config.train.log_every=5 --config.train.eval_every=1000 --config.log.tensorboard=False \
     2>&1 | tail -4 | tee "$OUT_DIR/train_$impl.log"
