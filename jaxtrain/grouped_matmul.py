@@ -16,6 +16,11 @@ Rows past sum(group_sizes) belong to no group and come out zero. Two routes:
 
 `auto` picks "ragged" on TPU and "blocked" elsewhere (benchmarks/moe_throughput.py measures the
 CPU side).
+
+`precision="fp8"` (the blocked route): the rows and the stacked weights are each scaled to e4m3
+once (per tensor, as jaxtrain/fp8.py does for one matmul), every block's GEMM multiplies FP8
+operands, and the backward quantizes the output gradient to e5m2; the FP8 copies are what the
+backward reads.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from jaxtrain import fp8
 
 IMPLS = ("auto", "ragged", "blocked")
 BLOCK_ROWS = 128
@@ -38,10 +45,13 @@ def resolve_impl(impl: str, platform: str) -> str:
 
 
 def grouped_matmul(x_RD: jax.Array, w_GDF: jax.Array, group_sizes_G: jax.Array, *,
-                   impl: str = "blocked", block_rows: int = BLOCK_ROWS) -> jax.Array:
+                   impl: str = "blocked", block_rows: int = BLOCK_ROWS,
+                   precision: str = "none") -> jax.Array:
   """[R, D] rows sorted by group times their group's [D, F] weight: [R, F] in x's dtype, float32
-  accumulation; rows past the groups' total are zero."""
+  accumulation; rows past the groups' total are zero. `precision`: "none" or "fp8" (blocked)."""
   group_sizes_G = group_sizes_G.astype(jnp.int32)
+  if precision != "none" and impl != "blocked":
+    raise ValueError(f"grouped_matmul precision={precision!r}: the blocked route only")
   if impl == "ragged":
     # Output in x's dtype (the kernel accumulates in float32 inside): a float32 [R, F] result
     # would double the largest buffer of an expert-parallel layer.
@@ -52,7 +62,7 @@ def grouped_matmul(x_RD: jax.Array, w_GDF: jax.Array, group_sizes_G: jax.Array, 
     raise ValueError(f"grouped_matmul impl={impl!r}: choose 'ragged' or 'blocked'")
   block_rows = max(8, min(block_rows, _round_up(x_RD.shape[0], 8)))
   x_RD, w_GDF = _vary_alike(x_RD, w_GDF)
-  return _blocked(x_RD, w_GDF, group_sizes_G, block_rows)
+  return _blocked(x_RD, w_GDF, group_sizes_G, block_rows, precision == "fp8")
 
 
 def _varying(x) -> frozenset:
@@ -119,45 +129,60 @@ def _from_blocks(a_P, dest_R):
   return jnp.take(a_P, dest_R, axis=0, mode="fill", fill_value=0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _blocked(x_RD, w_GDF, group_sizes_G, block_rows):
-  return _blocked_fwd(x_RD, w_GDF, group_sizes_G, block_rows)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _blocked(x_RD, w_GDF, group_sizes_G, block_rows, in_fp8):
+  return _blocked_fwd(x_RD, w_GDF, group_sizes_G, block_rows, in_fp8)[0]
 
 
-def _blocked_fwd(x_RD, w_GDF, group_sizes_G, block_rows):
+def _blocked_fwd(x_RD, w_GDF, group_sizes_G, block_rows, in_fp8):
   dest_R, block_group_N, used, padded_rows = _layout(group_sizes_G, x_RD.shape[0], block_rows)
   x_PD = _to_blocks(x_RD, dest_R, padded_rows)
+  # Unit scales leave the operands as they are; FP8 scales each to e4m3 (rows past the groups
+  # are zeros, which change no amax).
+  one = jnp.ones((), jnp.float32)
+  (xq_PD, s_x), (wq_GDF, s_w) = ((fp8.quantize(x_PD, fp8.E4M3), fp8.quantize(w_GDF, fp8.E4M3))
+                                 if in_fp8 else ((x_PD, one), (w_GDF, one)))
+  scale = (s_x * s_w).astype(x_RD.dtype)
 
   def body(i, y_PF):
-    x_bD = jax.lax.dynamic_slice_in_dim(x_PD, i * block_rows, block_rows)
-    y_bF = jnp.dot(x_bD, w_GDF[block_group_N[i]], preferred_element_type=jnp.float32)
+    x_bD = jax.lax.dynamic_slice_in_dim(xq_PD, i * block_rows, block_rows)
+    w_DF = wq_GDF[block_group_N[i]]
+    if in_fp8:  # the product in x's dtype, scaled there (see fp8.py)
+      y_bF = jnp.dot(x_bD, w_DF, preferred_element_type=y_PF.dtype) * scale
+    else:
+      y_bF = jnp.dot(x_bD, w_DF, preferred_element_type=jnp.float32)
     return jax.lax.dynamic_update_slice_in_dim(y_PF, y_bF.astype(y_PF.dtype), i * block_rows, 0)
 
   y_PF = jax.lax.fori_loop(0, used, body,
                            _zeros((padded_rows, w_GDF.shape[-1]), x_RD.dtype, x_PD, w_GDF))
-  return _from_blocks(y_PF, dest_R), (x_PD, w_GDF, group_sizes_G)
+  # Zero-size arrays carry the inputs' dtypes to the backward pass.
+  dtypes = (jnp.zeros((0,), x_RD.dtype), jnp.zeros((0,), w_GDF.dtype))
+  return _from_blocks(y_PF, dest_R), (xq_PD, s_x, wq_GDF, s_w, group_sizes_G, dtypes)
 
 
-def _blocked_bwd(block_rows, residuals, dy_RF):
-  x_PD, w_GDF, group_sizes_G = residuals
+def _blocked_bwd(block_rows, in_fp8, residuals, dy_RF):
+  xq_PD, s_x, wq_GDF, s_w, group_sizes_G, (x_dtype, w_dtype) = residuals
   dest_R, block_group_N, used, padded_rows = _layout(group_sizes_G, dy_RF.shape[0], block_rows)
   dy_PF = _to_blocks(dy_RF, dest_R, padded_rows)
+  s_g = jnp.ones((), jnp.float32)
+  if in_fp8:
+    dy_PF, s_g = fp8.quantize(dy_PF, fp8.E5M2)
 
   def body(i, carry):
     dx_PD, dw_GDF = carry
     g = block_group_N[i]
-    x_bD = jax.lax.dynamic_slice_in_dim(x_PD, i * block_rows, block_rows)
+    x_bD = jax.lax.dynamic_slice_in_dim(xq_PD, i * block_rows, block_rows)
     dy_bF = jax.lax.dynamic_slice_in_dim(dy_PF, i * block_rows, block_rows)
-    dx_bD = jnp.dot(dy_bF, w_GDF[g].T, preferred_element_type=jnp.float32)
+    dx_bD = jnp.dot(dy_bF, wq_GDF[g].T, preferred_element_type=jnp.float32) * (s_g * s_w)
     dx_PD = jax.lax.dynamic_update_slice_in_dim(dx_PD, dx_bD.astype(dx_PD.dtype),
                                                 i * block_rows, 0)
-    dw_DF = jnp.dot(x_bD.T, dy_bF, preferred_element_type=jnp.float32)
+    dw_DF = jnp.dot(x_bD.T, dy_bF, preferred_element_type=jnp.float32) * (s_x * s_g)
     return dx_PD, dw_GDF.at[g].add(dw_DF)
 
-  like = (x_PD, w_GDF, dy_PF)
-  dx_PD, dw_GDF = jax.lax.fori_loop(0, used, body, (_zeros(x_PD.shape, x_PD.dtype, *like),
-                                                    _zeros(w_GDF.shape, jnp.float32, *like)))
-  return _from_blocks(dx_PD, dest_R), dw_GDF.astype(w_GDF.dtype), None
+  like = (xq_PD, wq_GDF, dy_PF)
+  dx_PD, dw_GDF = jax.lax.fori_loop(0, used, body, (_zeros(xq_PD.shape, x_dtype.dtype, *like),
+                                                    _zeros(wq_GDF.shape, jnp.float32, *like)))
+  return _from_blocks(dx_PD, dest_R), dw_GDF.astype(w_dtype.dtype), None
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)

@@ -219,3 +219,67 @@ def test_tpu7x_compiles_the_fp8_projections_as_fp8_matmuls(tmp_path):
   assert "target=tpu7x-8 compiler=tpu devices=8" in last and "fits=yes" in last, last
   assert "8 TPU v7x TensorCores, 94.8 GiB each" in proc.stdout
   assert hlo_dots.fp8_dots(hlo_dots.dot_operand_types(path.read_text())) == (7, 14)
+
+
+def test_the_experts_blocked_grouped_matmul_in_fp8_within_bounds():
+  """Rows sorted into 3 groups (one empty) times their group's weight, forward and both
+  gradients in FP8, against float64 with the e4m3/e5m2 rounding bounds of every operand."""
+  from jaxtrain.grouped_matmul import grouped_matmul  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(3)
+  sizes = np.array([5, 0, 9])
+  x = jnp.asarray(rng.normal(size=(16, 24)), jnp.float32)  # 2 rows past the groups
+  w = jnp.asarray(rng.normal(size=(3, 24, 8)), jnp.float32)
+  g = jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)
+  y, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, jnp.asarray(sizes), impl="blocked",
+                                               block_rows=8, precision="fp8"), x, w)
+  dx, dw = (np.asarray(t, np.float64) for t in vjp(g))
+  x64, w64, g64 = (np.asarray(t, np.float64) for t in (x, w, g))
+  group = np.repeat(np.arange(3), sizes)
+  rows = len(group)
+  g64[rows:] = 0  # rows in no group: their gradient is not used
+  ex = _rounding_bound(x64[:rows], E4M3_UNIT, E4M3_TINY)
+  ew = _rounding_bound(w64, E4M3_UNIT, E4M3_TINY)
+  eg = _rounding_bound(g64[:rows], E5M2_UNIT, E5M2_TINY)
+  for r in range(rows):
+    k = group[r]
+    want = x64[r] @ w64[k]
+    bound = _product_bound(x64[r:r + 1], ex[r:r + 1], w64[k], ew[k])[0]
+    assert np.all(np.abs(np.asarray(y, np.float64)[r] - want) <= bound * 1.001 + 1e-6)
+    bound = _product_bound(g64[r:r + 1], eg[r:r + 1], w64[k].T, ew[k].T)[0]
+    assert np.all(np.abs(dx[r] - g64[r] @ w64[k].T) <= bound * 1.001 + 1e-6)
+  assert not np.asarray(y)[rows:].any() and not dx[rows:].any()
+  for k in range(3):
+    mine = group == k
+    want = x64[:rows][mine].T @ g64[:rows][mine]
+    bound = _product_bound(x64[:rows][mine].T, ex[mine].T, g64[:rows][mine], eg[mine])
+    assert np.all(np.abs(dw[k] - want) <= bound * 1.001 + 1e-6), k
+  assert not dw[1].any()  # the empty group
+
+
+def _moe_tiny(precision, **changes):
+  from tests.moe_helpers import on_short_rows  # pylint: disable=import-outside-toplevel
+  from tests.helpers import REPO  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  config = on_short_rows(os.path.join(REPO, "configs", "moe_tiny.py"))
+  config.precision.matmul = precision
+  for key, value in changes.items():
+    group, name = key.split(".")
+    config[group][name] = value
+  return config
+
+
+def test_an_moe_model_trains_in_fp8_like_the_default():
+  base = train_curves(_moe_tiny("none"), {}, steps=3)
+  low = train_curves(_moe_tiny("fp8"), {}, steps=3)
+  np.testing.assert_allclose(low["loss"], base["loss"], rtol=2e-2)
+  assert np.isfinite(low["grad_norm"]).all()
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"moe.capacity_factor": 1.25}, ["precision.matmul='fp8'", "moe.capacity_factor=1.25",
+                                      "dropless"]),
+    ({"moe.grouped_matmul": "ragged"}, ["moe.grouped_matmul='ragged'", "blocked route"]),
+])
+def test_fp8_experts_outside_the_blocked_dropless_route_are_refused(changes, words):
+  from tests.helpers import assert_one_line_config_error  # pylint: disable=import-outside-toplevel
+  assert_one_line_config_error(_moe_tiny("fp8", **changes), 1, words)

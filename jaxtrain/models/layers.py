@@ -290,7 +290,7 @@ class MoE(nnx.Module):
         lora_scale=cfg.peft.lora_alpha / cfg.peft.lora_rank if cfg.peft.lora_rank else 0.0,
         score=a.router_score, n_group=a.n_group, topk_group=a.topk_group,
         scaling_factor=a.routed_scaling_factor,
-        sequence_balance=rt.moe_seq_aux_loss_coef > 0)
+        sequence_balance=rt.moe_seq_aux_loss_coef > 0, precision=rt.matmul_precision)
 
   def __call__(self, x_BTD, mask_BT):
     """(out_BTD, the layer's router statistics); `mask_BT`: the tokens the statistics count."""

@@ -58,6 +58,8 @@ class Routing:
   scaling_factor: float = 1.0
   # DeepSeek-V3's sequence-wise balance statistics (moe.seq_aux_loss_coef > 0).
   sequence_balance: bool = False
+  # The experts' base matmuls: "none" or "fp8" (precision.matmul; the dropless blocked route).
+  precision: str = "none"
 
 
 # The experts' weights travel as a dict: "gate", "up" [X, D, F] and "down" [X, F, D], and for
@@ -148,7 +150,8 @@ def expert_mlp_grouped(x_RD, group_sizes_G, experts: dict, routing: Routing):
   """Each group's rows through its expert's gated MLP: three grouped matmuls (and two more per
   projection with adapters, through the rank-R factors)."""
   def mm(x, name):
-    y = grouped_matmul(x, experts[name], group_sizes_G, impl=routing.matmul_impl)
+    y = grouped_matmul(x, experts[name], group_sizes_G, impl=routing.matmul_impl,
+                       precision=routing.precision)
     if name + "_a" in experts:
       h = grouped_matmul(x, experts[name + "_a"], group_sizes_G, impl=routing.matmul_impl)
       y = y + grouped_matmul(h * routing.lora_scale, experts[name + "_b"], group_sizes_G,
