@@ -20,7 +20,8 @@ from jaxtrain.models.features import ALL_PROJECTIONS
 REMAT_POLICIES = ("none", "full", "minimal", "save_dots", "save_qkv_proj", "minimal_offload",
                   "save_dots_offload", "save_qkv_proj_offload")
 ATTENTION_IMPLS = ("xla", "pallas", "cudnn", "auto")
-MATMUL_PRECISIONS = ("none", "fp8")  # precision.matmul (jaxtrain/fp8.py)
+# precision.matmul: jaxtrain/fp8.py (per-tensor scales), jaxtrain/mxfp8.py (32-element blocks).
+MATMUL_PRECISIONS = ("none", "fp8", "mxfp8")
 ROPE_SCALING_TYPES = ("none", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 # Adam moments: float16 is refused, its range underflows the second moment of small grads.
@@ -158,8 +159,9 @@ def default_config() -> ml_collections.ConfigDict:
 
   c.precision = ml_collections.ConfigDict()
   # The projections' and MLP matmuls: "none" (the compute dtype), "fp8" (per-tensor current
-  # scaling: e4m3 forward, e5m2 gradients; jaxtrain/fp8.py). Master weights, optimizer state
-  # and the loss are unchanged.
+  # scaling: e4m3 forward, e5m2 gradients; jaxtrain/fp8.py; H100, H200, B200, L4, TPU v7x),
+  # "mxfp8" (e4m3 with a power-of-two scale per 32 elements; jaxtrain/mxfp8.py; B200). Master
+  # weights, optimizer state and the loss are unchanged.
   c.precision.matmul = "none"
 
   c.attention = ml_collections.ConfigDict()

@@ -174,6 +174,29 @@ def _positive(config, key: str):
     raise ConfigError(f"{key}={node}: must be a positive number")
 
 
+def _check_mxfp8(config, num_devices: int) -> None:
+  """MXFP8 scales 32-element blocks along every contracting dim: the projections' input and
+  output sizes and the tokens must be multiples of 32; one device, and not yet with experts or
+  latent attention."""
+  m = config.model
+  if num_devices > 1:
+    raise ConfigError(f"precision.matmul='mxfp8': one device only for now ({num_devices} here): "
+                      f"JAX 0.10 cannot partition a block-scaled dot over a mesh; use "
+                      f"precision.matmul='fp8' on several devices")
+  if config.moe.num_experts or m.kv_lora_rank:
+    what = "Mixture-of-Experts layers" if config.moe.num_experts else "latent attention"
+    raise ConfigError(f"precision.matmul='mxfp8': not implemented for {what} yet; use "
+                      f"precision.matmul='fp8'")
+  sizes = {"model.d_model": m.d_model, "model.mlp_dim": m.mlp_dim,
+           "model.num_heads * model.head_dim": m.num_heads * m.head_dim,
+           "model.num_kv_heads * model.head_dim": m.num_kv_heads * m.head_dim,
+           "train.seq_len": config.train.seq_len}
+  for name, size in sizes.items():
+    if size % 32:
+      raise ConfigError(f"precision.matmul='mxfp8': {name}={size} is not a multiple of 32 "
+                        f"(the format scales blocks of 32 along each matmul's contracting dim)")
+
+
 def validate(config, num_devices: int, platform: str = "cpu", *,
              num_processes: int | None = None, num_slices: int = 1) -> MeshShape:
   """Checks everything that can be checked before compiling. Returns the resolved mesh shape.
@@ -212,6 +235,8 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
   if config.precision.matmul not in MATMUL_PRECISIONS:
     raise ConfigError(f"precision.matmul={config.precision.matmul!r}: unknown; choose one of "
                       f"{', '.join(MATMUL_PRECISIONS)}")
+  if config.precision.matmul == "mxfp8":
+    _check_mxfp8(config, num_devices)
   if config.precision.matmul == "fp8" and config.moe.num_experts:
     if config.moe.capacity_factor > 0:
       raise ConfigError(f"precision.matmul='fp8' with moe.capacity_factor="

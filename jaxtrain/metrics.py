@@ -129,7 +129,7 @@ def _lookup_peak(device_kind: str, precision: str) -> Optional[tuple[float, str]
   if found is None or not found[1]:
     return None
   name, peak = found
-  kind = "fp8" if precision == "fp8" else "bf16"
+  kind = "fp8" if precision in ("fp8", "mxfp8") else "bf16"
   return peak, f"{name} dense {kind} peak (table), device_kind {device_kind!r}"
 
 
@@ -141,8 +141,8 @@ def peak_flops_per_device(device, precision: str = "none") -> tuple[Optional[flo
   matmul throughput divided by the number of local CPU devices -- emulated CPU devices
   (`jax_num_cpu_devices`) all share the same cores, so each gets that share, and per-device peak
   times device count is the host's peak. Unknown accelerators: (None, reason), so that MFU is
-  shown as n/a instead of a wrong number. `precision` (precision.matmul): "fp8" takes the
-  chip's FP8 peak, so MFU is against the peak of the precision in use.
+  shown as n/a instead of a wrong number. `precision` (precision.matmul): "fp8" and "mxfp8"
+  take the chip's FP8 peak, so MFU is against the peak of the precision in use.
   """
   if device.platform == "cpu":
     import jax

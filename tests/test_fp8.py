@@ -283,3 +283,86 @@ def test_an_moe_model_trains_in_fp8_like_the_default():
 def test_fp8_experts_outside_the_blocked_dropless_route_are_refused(changes, words):
   from tests.helpers import assert_one_line_config_error  # pylint: disable=import-outside-toplevel
   assert_one_line_config_error(_moe_tiny("fp8", **changes), 1, words)
+
+
+# --- MXFP8 (jaxtrain/mxfp8.py) ----------------------------------------------------------------
+
+
+def _block_bound(a, axis):
+  """Per-element rounding bound of MXFP8 along `axis`: e4m3's relative unit, and half the
+  subnormal spacing relative to the element's own block scale (the block's power of two)."""
+  from jaxtrain import mxfp8  # pylint: disable=import-outside-toplevel
+  a = np.asarray(a, np.float64)
+  moved = np.moveaxis(a, axis, -1)
+  blocks = moved.reshape(*moved.shape[:-1], -1, mxfp8.BLOCK)
+  amax = np.abs(blocks).max(axis=-1, keepdims=True)
+  scale = np.where(amax > 0, 2.0 ** np.ceil(np.log2(np.maximum(amax, 1e-300) / 448.0)), 1.0)
+  bound = np.maximum(E4M3_UNIT * np.abs(blocks), 2.0 ** -10 * scale * np.ones_like(blocks))
+  return np.moveaxis(bound.reshape(moved.shape), -1, axis)
+
+
+def test_mxfp8_blocks_scale_by_powers_of_two_and_stay_within_e4m3():
+  from jaxtrain import mxfp8  # pylint: disable=import-outside-toplevel
+  x = jnp.asarray(np.concatenate([np.full((2, 32), 1e-3), np.linspace(-900, 900, 64).reshape(2, 32),
+                                  np.zeros((2, 32))], axis=1), jnp.float32)
+  q, s = mxfp8.quantize(x, axis=1)
+  assert q.shape == (2, 96) and s.shape == (2, 3) and s.dtype == mxfp8.E8M0
+  scales = np.asarray(s.astype(jnp.float32))
+  np.testing.assert_array_equal(np.log2(scales), np.round(np.log2(scales)))  # powers of two
+  assert scales[0, 2] == 1.0 and not np.asarray(q[:, 64:].astype(jnp.float32)).any()
+  assert np.abs(np.asarray(q.astype(jnp.float32))).max() <= 448
+  assert scales[0, 1] == 4.0  # 900 / 4 = 225 <= 448 < 900 / 2
+  with pytest.raises(ValueError, match="not a multiple of 32"):
+    mxfp8.quantize(jnp.ones((2, 40)), axis=1)
+
+
+def test_mxfp8_matmul_and_gradients_within_block_bounds():
+  from jaxtrain import mxfp8  # pylint: disable=import-outside-toplevel
+  x, w = _operands(4, n=64, i=96, o=64)
+  g = jnp.asarray(np.random.default_rng(5).normal(size=(64, 64)), jnp.float32)
+  y, vjp = jax.vjp(lambda a, b: mxfp8.matmul(a, b, jnp.float32), x, w)
+  dx, dw = (np.asarray(t, np.float64) for t in vjp(g))
+  x64, w64, g64 = (np.asarray(t, np.float64) for t in (x, w, g))
+  checks = [(np.asarray(y, np.float64), x64, _block_bound(x64, 1), w64, _block_bound(w64, 0)),
+            (dx, g64, _block_bound(g64, 1), w64.T, _block_bound(w64, 1).T),
+            (dw, x64.T, _block_bound(x64, 0).T, g64, _block_bound(g64, 0))]
+  for got, a, ea, b, eb in checks:
+    assert np.all(np.abs(got - a @ b) <= _product_bound(a, ea, b, eb) * 1.001 + 1e-5)
+    assert np.linalg.norm(got - a @ b) / np.linalg.norm(a @ b) < 0.05
+
+
+def test_mxfp8_training_follows_the_default_run():
+  config = _small("mxfp8", d_model=64, mlp_dim=128, num_heads=4, head_dim=16, num_kv_heads=2)
+  base = _small("none", d_model=64, mlp_dim=128, num_heads=4, head_dim=16, num_kv_heads=2)
+  np.testing.assert_allclose(train_curves(config, {}, steps=4)["loss"],
+                             train_curves(base, {}, steps=4)["loss"], rtol=1e-2)
+
+
+@pytest.mark.parametrize("changes,devices,words", [
+    ({}, 8, ["precision.matmul='mxfp8'", "one device only", "8 here"]),
+    ({"mlp_dim": 120}, 1, ["model.mlp_dim=120", "multiple of 32"]),
+])
+def test_mxfp8_settings_it_cannot_run_are_one_line_errors(changes, devices, words):
+  from tests.helpers import assert_one_line_config_error  # pylint: disable=import-outside-toplevel
+  assert_one_line_config_error(_small("mxfp8", num_heads=4, head_dim=16, num_kv_heads=2,
+                                      **changes), devices, words)
+
+
+def test_mxfp8_outside_blackwell_is_refused_and_b200_compiles_block_scaled_matmuls(tmp_path):
+  """H100 has FP8 but no block-scaled matmuls: refused in one line. For one B200, XLA's GPU
+  compiler keeps every projection matmul of the tiny model's step block-scaled (`scaled-dot`):
+  7 in the forward, 14 in the backward."""
+  from jaxtrain.dryrun import targets  # pylint: disable=import-outside-toplevel
+  from tests.helpers import run_cli  # pylint: disable=import-outside-toplevel
+  proc = run_cli("--config=configs/tiny.py", "--config.precision.matmul=mxfp8", "--dry_run",
+                 "--dry_run_target=h100x1")
+  assert proc.returncode == 2 and "has no block-scaled (MX) FP8 matmuls" in proc.stderr
+  assert "targets that have them: b200" in proc.stderr
+  if targets.compiler_missing(targets.parse("b200x1")):
+    pytest.skip(targets.compiler_missing(targets.parse("b200x1")))
+  path = tmp_path / "step.hlo.txt"
+  proc = run_cli("--config=configs/tiny.py", "--config.precision.matmul=mxfp8", "--dry_run",
+                 "--dry_run_target=b200x1", f"--dry_run_hlo={path}")
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "fits=yes" in proc.stdout.strip().splitlines()[-1]
+  assert len(re.findall(r"\sscaled-dot\(", path.read_text())) == 21

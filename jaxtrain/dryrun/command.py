@@ -178,6 +178,16 @@ def last_line(m: aot.Measurement, target: Target | None, fits: bool) -> str:
           f"fits={'yes' if fits else 'no'}")
 
 
+def _matmul_row(precision: str, hlo: str) -> str:
+  """What the compiled step multiplies in low precision (the optimized HLO's dots by type)."""
+  counts = hlo_dots.dot_operand_types(hlo)
+  if precision == "mxfp8":
+    return (f"mxfp8: {hlo_dots.block_scaled_dots(hlo)} block-scaled (scaled-dot, e4m3 with an "
+            f"e8m0 scale per 32) of {sum(counts.values())} dots in the compiled step (a loop "
+            f"body once)")
+  return f"{precision}: {hlo_dots.describe(counts)} dots in the compiled step (a loop body once)"
+
+
 def _number(x: float) -> str:
   """Four decimals for GiB-sized figures, six significant digits for tiny test models."""
   return f"{x:.4f}" if x >= 0.1 else f"{x:.6g}"
@@ -241,9 +251,7 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
                  f"{o.state_dtype} in {'pinned host' if o.offload_state else 'device'} "
                  f"memory" + (f" ({m.offload_note})" if m.offload_note else "")),
       ("remat", cfg.runtime.remat_policy + (f" ({m.remat_note})" if m.remat_note else "")),
-      *([("matmuls", f"{cfg.runtime.matmul_precision}: "
-                     f"{hlo_dots.describe(hlo_dots.dot_operand_types(m.hlo))} dots in the "
-                     f"compiled step (a loop body once)")]
+      *([("matmuls", _matmul_row(cfg.runtime.matmul_precision, m.hlo))]
         if cfg.runtime.matmul_precision != "none" else []),
       ("attention", m.attention_note),
       ("compile", f"{m.compile_s:.1f} s"),

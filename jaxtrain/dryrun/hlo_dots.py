@@ -38,6 +38,11 @@ def dot_operand_types(hlo: str) -> collections.Counter:
   return counts
 
 
+def block_scaled_dots(hlo: str) -> int:
+  """`scaled-dot` instructions: block-scaled (MXFP8) matmuls."""
+  return len(re.findall(r"\sscaled-dot\(", hlo))
+
+
 def fp8_dots(counts: collections.Counter) -> tuple[int, int]:
   """(dots with both operands e4m3: the forward's, dots with an e5m2 operand: the backward's)."""
   forward = sum(n for (a, b), n in counts.items() if a == b == "f8e4m3fn")

@@ -72,6 +72,7 @@ class Chip:
   peak_fp8_flops: float = 0.0
   # JAX devices per chip: 1 (a GPU; a megacore TPU chip), 2 on v7x (each TensorCore a device).
   devices_per_chip: int = 1
+  mxfp8: bool = False  # block-scaled FP8 matmuls (OCP microscaling): Blackwell
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -89,7 +90,7 @@ CHIPS: tuple[Chip, ...] = (
          "NVIDIA H200", counts=_GPU_COUNTS, peak_fp8_flops=1979e12),
     Chip("b200", "NVIDIA B200 180GB", "gpu", 192_265_846_784, 2250e12, r"b200",
          GpuSpec((10, 0), 148, 233_472, 232_448, 2048, 128, 126 * 2 ** 20, 8.0e12, 1.965),
-         "NVIDIA B200", counts=_GPU_COUNTS, peak_fp8_flops=4500e12),
+         "NVIDIA B200", counts=_GPU_COUNTS, peak_fp8_flops=4500e12, mxfp8=True),
     Chip("a100", "NVIDIA A100 80GB", "gpu", 85_051_572_224, 312e12, r"a100",
          GpuSpec((8, 0), 108, 167_936, 166_912, 2048, 64, 40 * 2 ** 20, 2.039e12, 1.41),
          "NVIDIA A100-SXM4-80GB", counts=_GPU_COUNTS),
@@ -194,7 +195,7 @@ def chip_for_device_kind(device_kind: str, precision: str = "none") -> tuple[str
   """(name, dense peak FLOP/s) of the chip jax calls `device_kind`, or None if unknown: the
   bfloat16 peak, or with precision.matmul="fp8" the FP8 peak (0 on a chip without FP8 units)."""
   kind = device_kind.strip().lower()
-  fp8 = precision == "fp8"
+  fp8 = precision in ("fp8", "mxfp8")
   for pattern, name, peak, peak_fp8 in OTHER_PEAKS:  # more specific variants first (H100 PCIe)
     if re.search(pattern, kind):
       return name, peak_fp8 if fp8 else peak
@@ -210,8 +211,13 @@ def chip_of_device_kind(device_kind: str) -> Chip | None:
 
 
 def precision_refusal(precision: str, chip: Chip | None) -> str | None:
-  """One line when `chip` cannot run precision.matmul=`precision` (FP8 without FP8 units);
-  None when it can, or for this host's CPU (XLA:CPU computes FP8 by converting)."""
+  """One line when `chip` cannot run precision.matmul=`precision` (FP8 without FP8 units, MXFP8
+  without block-scaled ones); None when it can, or for this host's CPU (XLA:CPU computes FP8 by
+  converting)."""
+  if precision == "mxfp8" and chip is not None and not chip.mxfp8:
+    have = ", ".join(c.key for c in CHIPS if c.mxfp8)
+    return (f"precision.matmul='mxfp8': {chip.name} has no block-scaled (MX) FP8 matmuls; "
+            f"targets that have them: {have} (or precision.matmul='fp8' for per-tensor scales)")
   if precision != "fp8" or chip is None or chip.peak_fp8_flops:
     return None
   have = ", ".join(c.key for c in CHIPS if c.peak_fp8_flops)

@@ -9,7 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxtrain import fp8
+from jaxtrain import fp8, mxfp8
 from jaxtrain.peft.quantize import QuantizedWeight
 from jaxtrain.weight_cast import to_compute_dtype
 
@@ -24,14 +24,17 @@ def dense(x_BTI: jax.Array, w_IO: jax.Array, explicit_transpose_for_dw: bool = F
   dims merge without a copy, and a batch sharded over the data axes stays sharded.
 
   `explicit_transpose_for_dw` (set on CPU, see ModelConfig): the backward pass computes the
-  weight gradient from a materialized x^T, see `_matmul_explicit_dw`. `precision="fp8"`: the
-  matmul and its gradients in FP8 (jaxtrain/fp8.py), the result in x's dtype.
+  weight gradient from a materialized x^T, see `_matmul_explicit_dw`. `precision="fp8"` or
+  "mxfp8": the matmul and its gradients in FP8 (jaxtrain/fp8.py, jaxtrain/mxfp8.py), the result
+  in x's dtype.
   """
   out_shape = (*x_BTI.shape[:-1], *w_IO.shape[1:])
   x_NI = x_BTI.reshape(-1, x_BTI.shape[-1])
   w_IO = w_IO.reshape(w_IO.shape[0], -1)
   if precision == "fp8":
     y_NO = fp8.matmul(x_NI, w_IO, x_NI.dtype)
+  elif precision == "mxfp8":
+    y_NO = mxfp8.matmul(x_NI, w_IO, x_NI.dtype)
   elif explicit_transpose_for_dw:
     y_NO = _matmul_explicit_dw(x_NI, w_IO)
   else:
