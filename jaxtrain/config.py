@@ -163,6 +163,9 @@ def default_config() -> ml_collections.ConfigDict:
   # "mxfp8" (e4m3 with a power-of-two scale per 32 elements; jaxtrain/mxfp8.py; B200). Master
   # weights, optimizer state and the loss are unchanged.
   c.precision.matmul = "none"
+  # With precision.matmul="fp8": the output head's matmuls in the loss (training and evals) in
+  # FP8 too; generation's logits stay in the compute dtype.
+  c.precision.fp8_head = False
 
   c.attention = ml_collections.ConfigDict()
   # xla (reference einsums), pallas (our flash-attention kernels: GPU, TPU), cudnn (GPU), auto

@@ -235,6 +235,13 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
   if config.precision.matmul not in MATMUL_PRECISIONS:
     raise ConfigError(f"precision.matmul={config.precision.matmul!r}: unknown; choose one of "
                       f"{', '.join(MATMUL_PRECISIONS)}")
+  if config.precision.fp8_head and config.precision.matmul != "fp8":
+    raise ConfigError(f"precision.fp8_head=True: the head follows the projections into FP8; "
+                      f"set precision.matmul='fp8' (it is {config.precision.matmul!r})")
+  if config.precision.fp8_head and config.train.objective != "lm":
+    raise ConfigError(f"precision.fp8_head=True: the language-model loss only (train.objective="
+                      f"{config.train.objective!r}); the DPO and GRPO losses keep their head in "
+                      f"the compute dtype")
   if config.precision.matmul == "mxfp8":
     _check_mxfp8(config, num_devices)
   if config.precision.matmul == "fp8" and config.moe.num_experts:

@@ -22,6 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxtrain import fp8
 from jaxtrain.parallel.context_parallel import context_size
 from jaxtrain.parallel.mesh import shard
 from jaxtrain.peft.projection import transposed_input_matmul
@@ -80,17 +81,25 @@ def _contract(a_NX, w, axis: int):
                              preferred_element_type=jnp.float32)
 
 
-def _head(x_BCD, w, vocab_axis: int = 1):
+def _head(x_BCD, w, vocab_axis: int = 1, w_scale=None):
   """float32 logits [B, C, V]. Matmuls here run on tokens flattened to one dim: the weight
-  gradient then contracts one dim, not two, which XLA:CPU runs as a single GEMM."""
+  gradient then contracts one dim, not two, which XLA:CPU runs as a single GEMM. `w_scale`: `w`
+  is the head's e4m3 copy with this scale (precision.fp8_head); the chunk is scaled to e4m3
+  too."""
   b, c, _ = x_BCD.shape
-  logits_BCV = _contract(_flat(x_BCD), w, 1 - vocab_axis).reshape(b, c, -1)
+  x_ND = _flat(x_BCD)
+  if w_scale is None:
+    logits_NV = _contract(x_ND, w, 1 - vocab_axis)
+  else:
+    xq_ND, x_scale = fp8.quantize(x_ND, fp8.E4M3)
+    logits_NV = _contract(xq_ND, w, 1 - vocab_axis) * (x_scale * w_scale)
+  logits_BCV = logits_NV.reshape(b, c, -1)
   return shard(logits_BCV, ("act_batch", "act_length", "act_vocab"))
 
 
-def _chunk_loss(x_BCD, w, targets_BC, mask_BC, vocab_axis: int = 1):
+def _chunk_loss(x_BCD, w, targets_BC, mask_BC, vocab_axis: int = 1, w_scale=None):
   """(summed masked loss of the chunk, its float32 logits, their log-sum-exp)."""
-  logits_BCV = _head(x_BCD, w, vocab_axis)
+  logits_BCV = _head(x_BCD, w, vocab_axis, w_scale)
   lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
   # A one-hot contraction rather than a gather: it stays local when V is sharded.
   onehot_BCV = jax.nn.one_hot(targets_BC, w.shape[vocab_axis], dtype=jnp.float32)
@@ -98,27 +107,32 @@ def _chunk_loss(x_BCD, w, targets_BC, mask_BC, vocab_axis: int = 1):
   return jnp.sum((lse_BC - target_logit_BC) * mask_BC), logits_BCV, lse_BC, onehot_BCV
 
 
-def _loss_sum(x_BTD, w, targets_BT, mask_BT, chunk_size: int, vocab_axis: int):
+def _loss_sum(x_BTD, w, targets_BT, mask_BT, chunk_size: int, vocab_axis: int,
+              in_fp8: bool = False):
   x_NBCD, targets_NBC, mask_NBC = _chunked(x_BTD, targets_BT, mask_BT, chunk_size)
+  w, w_scale = fp8.quantize(w, fp8.E4M3) if in_fp8 else (w, None)
 
   def body(total, xs):
-    return total + _chunk_loss(xs[0], w, xs[1], xs[2], vocab_axis)[0], None
+    return total + _chunk_loss(xs[0], w, xs[1], xs[2], vocab_axis, w_scale)[0], None
 
   total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (x_NBCD, targets_NBC, mask_NBC))
   return total
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def cross_entropy_sum(x_BTD, w, targets_BT, mask_BT, chunk_size: int,
-                      explicit_transpose_for_dw: bool = False, vocab_axis: int = 1):
+                      explicit_transpose_for_dw: bool = False, vocab_axis: int = 1,
+                      in_fp8: bool = False):
   """Sum over positions of mask * (next-token cross-entropy), float32. `w`: the head [D, V]
   (`vocab_axis=1`) or a tied embedding table [V, D] (`vocab_axis=0`).
 
   `explicit_transpose_for_dw` (CPU): the head's weight gradient contracts a materialized x^T
-  (peft.projection.transposed_input_matmul), which XLA:CPU runs faster.
+  (peft.projection.transposed_input_matmul), which XLA:CPU runs faster. `in_fp8`
+  (precision.fp8_head): the head's three matmuls in FP8 as jaxtrain/fp8.py does them (the head
+  scaled once, each chunk of hidden states and of logit gradients on its own).
   """
   del explicit_transpose_for_dw  # only the gradient depends on it
-  return _loss_sum(x_BTD, w, targets_BT, mask_BT, chunk_size, vocab_axis)
+  return _loss_sum(x_BTD, w, targets_BT, mask_BT, chunk_size, vocab_axis, in_fp8)
 
 
 def _weight_grad(x_ND, dlogits_NV, vocab_axis: int, explicit_transpose_for_dw: bool):
@@ -130,27 +144,36 @@ def _weight_grad(x_ND, dlogits_NV, vocab_axis: int, explicit_transpose_for_dw: b
   return jnp.dot(x_ND.T, dlogits_NV, preferred_element_type=jnp.float32)
 
 
-def _fwd(x_BTD, w, targets_BT, mask_BT, chunk_size, explicit_transpose_for_dw, vocab_axis):
+def _fwd(x_BTD, w, targets_BT, mask_BT, chunk_size, explicit_transpose_for_dw, vocab_axis,
+         in_fp8=False):
   b, t, d = x_BTD.shape
   x_NBCD, targets_NBC, mask_NBC = _chunked(x_BTD, targets_BT, mask_BT, chunk_size)
   # The accumulator keeps the head's own sharding (vocab over tensor, embed over fsdp), so no
   # device ever holds a whole float32 head.
   w_names = ("embed", "vocab") if vocab_axis == 1 else ("vocab", "embed")
+  wq, w_scale = fp8.quantize(w, fp8.E4M3) if in_fp8 else (w, None)
 
   def body(carry, xs):
     total, dw = carry
     x_BCD, targets_BC, mask_BC = xs
-    loss, logits_BCV, lse_BC, onehot_BCV = _chunk_loss(x_BCD, w, targets_BC, mask_BC, vocab_axis)
+    loss, logits_BCV, lse_BC, onehot_BCV = _chunk_loss(x_BCD, wq, targets_BC, mask_BC,
+                                                       vocab_axis, w_scale)
     dlogits_BCV = (jnp.exp(logits_BCV - lse_BC[..., None]) - onehot_BCV) * mask_BC[..., None]
-    if vocab_axis == 1:
-      dx_ND = jnp.dot(_flat(dlogits_BCV).astype(w.dtype), w.T,
-                      preferred_element_type=jnp.float32)
+    x_ND, dlogits_NV = _flat(x_BCD), _flat(dlogits_BCV)
+    if in_fp8:  # e5m2 logit gradients against the e4m3 head and hidden states, then unscaled
+      gq_NV, g_scale = fp8.quantize(dlogits_NV, fp8.E5M2)
+      xq_ND, x_scale = fp8.quantize(x_ND, fp8.E4M3)
+      dx_ND = _contract(gq_NV, wq, vocab_axis) * (g_scale * w_scale)
+      dw_chunk = _weight_grad(xq_ND, gq_NV, vocab_axis, False) * (x_scale * g_scale)
     else:
-      dx_ND = _contract(_flat(dlogits_BCV).astype(w.dtype), w, 0)
+      if vocab_axis == 1:
+        dx_ND = jnp.dot(dlogits_NV.astype(w.dtype), w.T, preferred_element_type=jnp.float32)
+      else:
+        dx_ND = _contract(dlogits_NV.astype(w.dtype), w, 0)
+      dw_chunk = _weight_grad(x_ND, dlogits_NV.astype(x_BCD.dtype), vocab_axis,
+                              explicit_transpose_for_dw)
     dx_BCD = dx_ND.reshape(x_BCD.shape)
-    x_ND, dlogits_NV = _flat(x_BCD), _flat(dlogits_BCV).astype(x_BCD.dtype)
-    dw = shard(dw + _weight_grad(x_ND, dlogits_NV, vocab_axis, explicit_transpose_for_dw),
-               w_names)
+    dw = shard(dw + dw_chunk, w_names)
     return (total + loss, dw), dx_BCD.astype(x_BCD.dtype)
 
   init = (jnp.zeros((), jnp.float32), shard(jnp.zeros(w.shape, jnp.float32), w_names))
@@ -159,8 +182,8 @@ def _fwd(x_BTD, w, targets_BT, mask_BT, chunk_size, explicit_transpose_for_dw, v
   return total, (dx_BTD, dw.astype(w.dtype))
 
 
-def _bwd(chunk_size, explicit_transpose_for_dw, vocab_axis, residuals, g):
-  del chunk_size, explicit_transpose_for_dw, vocab_axis
+def _bwd(chunk_size, explicit_transpose_for_dw, vocab_axis, in_fp8, residuals, g):
+  del chunk_size, explicit_transpose_for_dw, vocab_axis, in_fp8
   dx_BTD, dw_DV = residuals
   # Targets are integers and the mask is data: neither gets a gradient.
   return (g * dx_BTD).astype(dx_BTD.dtype), (g * dw_DV).astype(dw_DV.dtype), None, None
@@ -170,10 +193,11 @@ cross_entropy_sum.defvjp(_fwd, _bwd)
 
 
 def chunked_cross_entropy(x_BTD, w, targets_BT, mask_BT, chunk_size: int,
-                          explicit_transpose_for_dw: bool = False, vocab_axis: int = 1):
+                          explicit_transpose_for_dw: bool = False, vocab_axis: int = 1,
+                          in_fp8: bool = False):
   """(sum of masked token losses, number of masked tokens), both float32."""
   return (cross_entropy_sum(x_BTD, w, targets_BT, mask_BT, chunk_size,
-                            explicit_transpose_for_dw, vocab_axis),
+                            explicit_transpose_for_dw, vocab_axis, in_fp8),
           jnp.sum(mask_BT.astype(jnp.float32)))
 
 

@@ -93,7 +93,8 @@ def loss_sum_fn(params, graphdef, batch: Batch, loss_chunk_size: int, frozen=Non
   w, vocab_axis = model.head()
   cross_entropy = functools.partial(
       chunked_cross_entropy, chunk_size=loss_chunk_size, vocab_axis=vocab_axis,
-      explicit_transpose_for_dw=model.cfg.runtime.explicit_transpose_for_dw)
+      explicit_transpose_for_dw=model.cfg.runtime.explicit_transpose_for_dw,
+      in_fp8=model.cfg.runtime.fp8_head)
   loss_sum, count = cross_entropy(x_BTD, w, batch["targets"], batch["loss_mask"])
   extra, metrics = router_terms(model, router_passes, count, training=training)
   if predictions:

@@ -366,3 +366,46 @@ def test_mxfp8_outside_blackwell_is_refused_and_b200_compiles_block_scaled_matmu
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "fits=yes" in proc.stdout.strip().splitlines()[-1]
   assert len(re.findall(r"\sscaled-dot\(", path.read_text())) == 21
+
+
+@pytest.mark.parametrize("vocab_axis", [1, 0])
+def test_the_fp8_head_loss_and_gradients_stay_close_to_float32(vocab_axis):
+  """precision.fp8_head: the chunked loss's head matmuls in FP8 (untied head [D, V] and tied
+  table [V, D]): loss within 1%, gradients within 10% (relative norm) of the float32 ones,
+  all finite."""
+  from jaxtrain.cross_entropy import cross_entropy_sum  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.normal(size=(2, 32, 64)), jnp.float32)
+  w = jnp.asarray(0.3 * rng.normal(size=(64, 128) if vocab_axis else (128, 64)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 128, (2, 32)), jnp.int32)
+  mask = jnp.ones((2, 32), jnp.float32)
+
+  def loss(x, w, in_fp8):
+    return cross_entropy_sum(x, w, targets, mask, 16, False, vocab_axis, in_fp8)
+  (want, want_grads), (got, got_grads) = (jax.value_and_grad(loss, argnums=(0, 1))(x, w, f)
+                                          for f in (False, True))
+  np.testing.assert_allclose(got, want, rtol=1e-2)
+  for g, r in zip(got_grads, want_grads):
+    assert np.isfinite(g).all()
+    assert float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)) < 0.1
+
+
+def test_the_fp8_head_adds_its_three_fp8_dots_and_needs_fp8():
+  config = _small("fp8", scan_layers=False, remat_policy="none")
+  config.precision.fp8_head = True
+  setup = train_setup.build(config, mesh_of({}))
+  state = train_setup.abstract_state(setup, 0)
+  batch = trainer.to_global_batch(packed_batch(config.train.global_batch_size,
+                                               config.train.seq_len, config.model.vocab_size),
+                                  setup.mesh)
+  with jax.set_mesh(setup.mesh):
+    text = setup.train_step.lower(state, batch).as_text()
+  dots = re.findall(r"stablehlo.dot_general.*", text)
+  forward = [d for d in dots if d.count("f8E4M3FN>") >= 2]
+  backward = [d for d in dots if "f8E5M2>" in d and "f8E4M3FN>" in d]
+  layers = config.model.num_layers
+  assert (len(forward), len(backward)) == (7 * layers + 1, 14 * layers + 2)
+  from tests.helpers import assert_one_line_config_error  # pylint: disable=import-outside-toplevel
+  plain = _small("none")
+  plain.precision.fp8_head = True
+  assert_one_line_config_error(plain, 1, ["precision.fp8_head=True", "precision.matmul='fp8'"])

@@ -139,6 +139,7 @@ class Runtime:
   explicit_transpose_for_dw: bool = False
   # The projections' and MLP matmuls: "none" (the compute dtype) or "fp8" (jaxtrain/fp8.py).
   matmul_precision: str = "none"
+  fp8_head: bool = False  # the loss's head matmuls in FP8 too (cross_entropy.py)
   # MoE layers: capacity factor (0: dropless), the grouped matmul's route (grouped_matmul.py),
   # and the weights of the router's auxiliary losses in the objective.
   moe_capacity_factor: float = 0.0
@@ -243,6 +244,8 @@ class ModelConfig:
                       explicit_transpose_for_dw=platform == "cpu", platform=platform,
                       matmul_precision=(config.precision.matmul if "precision" in config
                                         else "none"),
+                      fp8_head=bool(config.precision.get("fp8_head", False)
+                                    if "precision" in config else False),
                       moe_capacity_factor=float(moe.capacity_factor),
                       moe_grouped_matmul=moe.grouped_matmul,
                       moe_aux_loss_coef=float(moe.aux_loss_coef),
