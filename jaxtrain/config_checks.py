@@ -19,7 +19,6 @@ from jaxtrain.parallel.mesh import (DCN_AXES, MESH_AXES, MeshShape, check_divide
 from jaxtrain.config import (ATTENTION_IMPLS, DTYPES, LORA_TARGETS, MATMUL_PRECISIONS, OBJECTIVES,
                              REMAT_POLICIES, ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError,
                              lora_targets)
-from jaxtrain.grouped_matmul import resolve_impl
 from jaxtrain.models import registry
 from jaxtrain.config_checks_moe import (check_latent_attention, check_moe,
                                        check_multi_token_prediction)
@@ -249,10 +248,6 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
       raise ConfigError(f"precision.matmul='fp8' with moe.capacity_factor="
                         f"{config.moe.capacity_factor}: the experts' FP8 matmuls run in the "
                         f"dropless route only; set moe.capacity_factor=0")
-    if resolve_impl(config.moe.grouped_matmul, platform) != "blocked":
-      raise ConfigError(f"precision.matmul='fp8' with moe.grouped_matmul="
-                        f"{config.moe.grouped_matmul!r} ({platform}: 'ragged'): the experts' FP8 "
-                        f"matmuls run in the blocked route only; set moe.grouped_matmul='blocked'")
   if config.attention.impl not in ATTENTION_IMPLS:
     raise ConfigError(f"attention.impl={config.attention.impl!r}: unknown attention "
                       f"implementation; choose one of {', '.join(ATTENTION_IMPLS)}")

@@ -17,10 +17,11 @@ Rows past sum(group_sizes) belong to no group and come out zero. Two routes:
 `auto` picks "ragged" on TPU and "blocked" elsewhere (benchmarks/moe_throughput.py measures the
 CPU side).
 
-`precision="fp8"` (the blocked route): the rows and the stacked weights are each scaled to e4m3
-once (per tensor, as jaxtrain/fp8.py does for one matmul), every block's GEMM multiplies FP8
-operands, and the backward quantizes the output gradient to e5m2; the FP8 copies are what the
-backward reads.
+`precision="fp8"` (either route): the rows and the stacked weights are each scaled to e4m3 once
+(per tensor, as jaxtrain/fp8.py does for one matmul), every GEMM multiplies FP8 operands, and
+the backward quantizes the output gradient to e5m2; the FP8 copies are what the backward reads.
+The ragged route's weight gradient is a ragged dot over the rows (`ragged_dot_general` with the
+contracting dim ragged), one [D, F] block per group.
 """
 
 from __future__ import annotations
@@ -50,12 +51,15 @@ def grouped_matmul(x_RD: jax.Array, w_GDF: jax.Array, group_sizes_G: jax.Array, 
   """[R, D] rows sorted by group times their group's [D, F] weight: [R, F] in x's dtype, float32
   accumulation; rows past the groups' total are zero. `precision`: "none" or "fp8" (blocked)."""
   group_sizes_G = group_sizes_G.astype(jnp.int32)
-  if precision != "none" and impl != "blocked":
-    raise ValueError(f"grouped_matmul precision={precision!r}: the blocked route only")
+  if precision not in ("none", "fp8"):
+    raise ValueError(f"grouped_matmul precision={precision!r}: choose 'none' or 'fp8'")
   if impl == "ragged":
     # Output in x's dtype (the kernel accumulates in float32 inside): a float32 [R, F] result
     # would double the largest buffer of an expert-parallel layer.
-    y_RF = jax.lax.ragged_dot(x_RD, w_GDF, group_sizes_G, preferred_element_type=x_RD.dtype)
+    if precision == "fp8":
+      y_RF = _ragged_fp8(*_vary_alike(x_RD, w_GDF), group_sizes_G)
+    else:
+      y_RF = jax.lax.ragged_dot(x_RD, w_GDF, group_sizes_G, preferred_element_type=x_RD.dtype)
     in_groups_R = jnp.arange(x_RD.shape[0]) < jnp.sum(group_sizes_G)
     return jnp.where(in_groups_R[:, None], y_RF, 0)
   if impl != "blocked":
@@ -186,3 +190,36 @@ def _blocked_bwd(block_rows, in_fp8, residuals, dy_RF):
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+@jax.custom_vjp
+def _ragged_fp8(x_RD, w_GDF, group_sizes_G):
+  return _ragged_fp8_fwd(x_RD, w_GDF, group_sizes_G)[0]
+
+
+def _ragged_fp8_fwd(x_RD, w_GDF, group_sizes_G):
+  xq_RD, s_x = fp8.quantize(x_RD, fp8.E4M3)
+  wq_GDF, s_w = fp8.quantize(w_GDF, fp8.E4M3)
+  y_RF = jax.lax.ragged_dot(xq_RD, wq_GDF, group_sizes_G, preferred_element_type=x_RD.dtype)
+  dtypes = (jnp.zeros((0,), x_RD.dtype), jnp.zeros((0,), w_GDF.dtype))
+  return (y_RF * (s_x * s_w).astype(x_RD.dtype),
+          (xq_RD, s_x, wq_GDF, s_w, group_sizes_G, dtypes))
+
+
+# Rows [R] contracted within each group: dw[g] = x[rows of g]^T dy[rows of g].
+_ROWS_PER_GROUP = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[])
+
+
+def _ragged_fp8_bwd(residuals, dy_RF):
+  xq_RD, s_x, wq_GDF, s_w, group_sizes_G, (x_dtype, w_dtype) = residuals
+  gq_RF, s_g = fp8.quantize(dy_RF, fp8.E5M2)
+  dx_RD = jax.lax.ragged_dot(gq_RF, jnp.swapaxes(wq_GDF, 1, 2), group_sizes_G,
+                             preferred_element_type=jnp.float32) * (s_g * s_w)
+  dw_GDF = jax.lax.ragged_dot_general(xq_RD, gq_RF, group_sizes_G, _ROWS_PER_GROUP,
+                                      preferred_element_type=jnp.float32) * (s_x * s_g)
+  return dx_RD.astype(x_dtype.dtype), dw_GDF.astype(w_dtype.dtype), None
+
+
+_ragged_fp8.defvjp(_ragged_fp8_fwd, _ragged_fp8_bwd)

@@ -221,7 +221,8 @@ def test_tpu7x_compiles_the_fp8_projections_as_fp8_matmuls(tmp_path):
   assert hlo_dots.fp8_dots(hlo_dots.dot_operand_types(path.read_text())) == (7, 14)
 
 
-def test_the_experts_blocked_grouped_matmul_in_fp8_within_bounds():
+@pytest.mark.parametrize("impl", ["blocked", "ragged"])
+def test_the_experts_grouped_matmul_in_fp8_within_bounds(impl):
   """Rows sorted into 3 groups (one empty) times their group's weight, forward and both
   gradients in FP8, against float64 with the e4m3/e5m2 rounding bounds of every operand."""
   from jaxtrain.grouped_matmul import grouped_matmul  # pylint: disable=import-outside-toplevel
@@ -230,7 +231,7 @@ def test_the_experts_blocked_grouped_matmul_in_fp8_within_bounds():
   x = jnp.asarray(rng.normal(size=(16, 24)), jnp.float32)  # 2 rows past the groups
   w = jnp.asarray(rng.normal(size=(3, 24, 8)), jnp.float32)
   g = jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)
-  y, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, jnp.asarray(sizes), impl="blocked",
+  y, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, jnp.asarray(sizes), impl=impl,
                                                block_rows=8, precision="fp8"), x, w)
   dx, dw = (np.asarray(t, np.float64) for t in vjp(g))
   x64, w64, g64 = (np.asarray(t, np.float64) for t in (x, w, g))
@@ -268,9 +269,10 @@ def _moe_tiny(precision, **changes):
   return config
 
 
-def test_an_moe_model_trains_in_fp8_like_the_default():
-  base = train_curves(_moe_tiny("none"), {}, steps=3)
-  low = train_curves(_moe_tiny("fp8"), {}, steps=3)
+@pytest.mark.parametrize("route", ["blocked", "ragged"])
+def test_an_moe_model_trains_in_fp8_like_the_default(route):
+  base = train_curves(_moe_tiny("none", **{"moe.grouped_matmul": route}), {}, steps=3)
+  low = train_curves(_moe_tiny("fp8", **{"moe.grouped_matmul": route}), {}, steps=3)
   np.testing.assert_allclose(low["loss"], base["loss"], rtol=2e-2)
   assert np.isfinite(low["grad_norm"]).all()
 
@@ -278,9 +280,8 @@ def test_an_moe_model_trains_in_fp8_like_the_default():
 @pytest.mark.parametrize("changes,words", [
     ({"moe.capacity_factor": 1.25}, ["precision.matmul='fp8'", "moe.capacity_factor=1.25",
                                       "dropless"]),
-    ({"moe.grouped_matmul": "ragged"}, ["moe.grouped_matmul='ragged'", "blocked route"]),
 ])
-def test_fp8_experts_outside_the_blocked_dropless_route_are_refused(changes, words):
+def test_fp8_experts_in_capacity_mode_are_refused(changes, words):
   from tests.helpers import assert_one_line_config_error  # pylint: disable=import-outside-toplevel
   assert_one_line_config_error(_moe_tiny("fp8", **changes), 1, words)
 
