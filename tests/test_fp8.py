@@ -102,6 +102,12 @@ def test_every_projection_runs_in_fp8_forward_and_backward():
   3 FP8 dots each (the forward, and the backward's two), e4m3 by e4m3 forward and e5m2 by e4m3
   backward; the output head stays in the compute dtype."""
   config = _small("fp8", scan_layers=False, remat_policy="none")
+  layers = config.model.num_layers
+  assert _lowered_fp8_dots(config) == (7 * layers, 14 * layers)
+
+
+def _lowered_fp8_dots(config) -> tuple[int, int]:
+  """(e4m3 x e4m3 dots, dots with an e5m2 operand) of the lowered train step of `config`."""
   setup = train_setup.build(config, mesh_of({}))
   state = train_setup.abstract_state(setup, 0)
   batch = trainer.to_global_batch(packed_batch(config.train.global_batch_size,
@@ -110,11 +116,8 @@ def test_every_projection_runs_in_fp8_forward_and_backward():
   with jax.set_mesh(setup.mesh):
     text = setup.train_step.lower(state, batch).as_text()
   dots = re.findall(r"stablehlo.dot_general.*", text)
-  forward = [d for d in dots if d.count("f8E4M3FN>") >= 2]
-  backward = [d for d in dots if "f8E5M2>" in d and "f8E4M3FN>" in d]
-  layers = config.model.num_layers
-  assert (len(forward), len(backward)) == (7 * layers, 14 * layers), (len(forward),
-                                                                       len(backward))
+  return (sum(d.count("f8E4M3FN>") >= 2 for d in dots),
+          sum("f8E5M2>" in d and "f8E4M3FN>" in d for d in dots))
 
 
 def test_fp8_training_follows_the_default_run():
@@ -394,18 +397,8 @@ def test_the_fp8_head_loss_and_gradients_stay_close_to_float32(vocab_axis):
 def test_the_fp8_head_adds_its_three_fp8_dots_and_needs_fp8():
   config = _small("fp8", scan_layers=False, remat_policy="none")
   config.precision.fp8_head = True
-  setup = train_setup.build(config, mesh_of({}))
-  state = train_setup.abstract_state(setup, 0)
-  batch = trainer.to_global_batch(packed_batch(config.train.global_batch_size,
-                                               config.train.seq_len, config.model.vocab_size),
-                                  setup.mesh)
-  with jax.set_mesh(setup.mesh):
-    text = setup.train_step.lower(state, batch).as_text()
-  dots = re.findall(r"stablehlo.dot_general.*", text)
-  forward = [d for d in dots if d.count("f8E4M3FN>") >= 2]
-  backward = [d for d in dots if "f8E5M2>" in d and "f8E4M3FN>" in d]
   layers = config.model.num_layers
-  assert (len(forward), len(backward)) == (7 * layers + 1, 14 * layers + 2)
+  assert _lowered_fp8_dots(config) == (7 * layers + 1, 14 * layers + 2)
   from tests.helpers import assert_one_line_config_error  # pylint: disable=import-outside-toplevel
   plain = _small("none")
   plain.precision.fp8_head = True

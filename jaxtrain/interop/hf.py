@@ -1,5 +1,5 @@
 """Hugging Face import/export of every model family: `load_model`, `save_model`, and the CLI
-around them.
+around them (its two commands in hf_commands.py, its arguments in hf_cli.py).
 
     model, config = load_model("Qwen3-0.6B/")          # config.json + *.safetensors
     logits_BTV = model(input_ids_BT)                     # float32 [B, T, V]
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import sys
 from typing import Any
@@ -37,8 +36,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxtrain.config import ConfigError, load_config_file
-from jaxtrain.interop import hf_config, hf_export_config, hf_weights
+from jaxtrain.interop import hf_config, hf_export_config, hf_weights, safetensors_writer
 from jaxtrain.interop.hf_config import HFFormatError
 from jaxtrain.parallel.mesh import make_mesh
 from jaxtrain.models import registry
@@ -155,7 +153,7 @@ def _fill_params(abstract_params, cfg: ModelConfig, reader: hf_weights.Safetenso
   return jax.tree.map_with_path(make, abstract_params)
 
 
-def _check_divisible(abstract_params, mesh: Mesh) -> None:
+def check_divisible(abstract_params, mesh: Mesh) -> None:
   """A clear error for a mesh that cannot split a parameter evenly (JAX's names no config key)."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params):
     for dim, (size, axes) in enumerate(zip(leaf.shape, leaf.sharding.spec)):
@@ -230,7 +228,7 @@ def load_weights(path: str, config, *, mesh: Mesh | None = None) -> Decoder:
   cfg = ModelConfig.from_config(config)
   mesh = default_mesh() if mesh is None else mesh
   graphdef, abstract_params, _ = abstract_model(cfg, mesh)
-  _check_divisible(abstract_params, mesh)
+  check_divisible(abstract_params, mesh)
   # DeepSeek-V3's checkpoints hold their multi-token-prediction layers after the decoder's
   # (`model.layers.{num_hidden_layers + k}`): the first model.mtp_depth are read.
   with hf_weights.SafetensorsReader(os.path.abspath(path)) as reader:
@@ -253,7 +251,8 @@ def _to_host(x: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _pending_tensors(params: dict, cfg: ModelConfig, dtype: str) -> list[hf_weights.PendingTensor]:
+def _pending_tensors(params: dict, cfg: ModelConfig,
+                     dtype: str) -> list[safetensors_writer.PendingTensor]:
   """Every Hugging Face tensor in transformers' order, each produced only when written."""
   sizes = hf_weights.sizes_of(cfg)
   top = {r.hf_name: r for r in hf_weights.top_rules(cfg)}
@@ -282,7 +281,7 @@ def _pending_tensors(params: dict, cfg: ModelConfig, dtype: str) -> list[hf_weig
       if expert is not None:
         x = _take_layer(x, expert)
       return hf_weights.to_hf_layout(_to_host(x), rule, sizes)
-    return hf_weights.PendingTensor(hf_weights.tensor_name(rule, layer, expert),
+    return safetensors_writer.PendingTensor(hf_weights.tensor_name(rule, layer, expert),
                                     hf_weights.hf_shape(rule, sizes), dtype, produce)
 
   def each_expert(rule):
@@ -322,7 +321,7 @@ def _tokenizer_files(config) -> tuple[list[str], Any]:
   return [path] + extras, tok
 
 
-def _existing_weights(path: str, overwrite: bool) -> list[str]:
+def existing_weights(path: str, overwrite: bool) -> list[str]:
   """Weights and config.json already in `path`; an error unless they may be replaced."""
   existing = sorted(n for n in (os.listdir(path) if os.path.isdir(path) else [])
                     if n.endswith(".safetensors") or n in ("config.json", hf_weights.INDEX_FILE))
@@ -333,7 +332,7 @@ def _existing_weights(path: str, overwrite: bool) -> list[str]:
 
 
 def _prepare_dir(path: str, overwrite: bool) -> None:
-  existing = _existing_weights(path, overwrite)
+  existing = existing_weights(path, overwrite)
   os.makedirs(path, exist_ok=True)
   for name in existing:  # stale shards of another model must not stay behind an index
     os.remove(os.path.join(path, name))
@@ -375,14 +374,14 @@ def save_model(model: Decoder, config, path: str, *, dtype: str | None = None,
   writer = jax.process_index() == 0
   if writer:
     _prepare_dir(path, overwrite)
-  files = hf_weights.plan_files(_pending_tensors(params, cfg, dtype), max_file_bytes)
-  names = hf_weights.file_names(len(files))
+  files = safetensors_writer.plan_files(_pending_tensors(params, cfg, dtype), max_file_bytes)
+  names = safetensors_writer.file_names(len(files))
   for group, name in zip(files, names):
-    hf_weights.write_safetensors(os.path.join(path, name), group, write=writer)
+    safetensors_writer.write_safetensors(os.path.join(path, name), group, write=writer)
   written = list(names)
   if writer:
     if len(files) > 1:
-      hf_weights.write_index(path, files, names)
+      safetensors_writer.write_index(path, files, names)
       written.append(hf_weights.INDEX_FILE)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
       json.dump(hf, f, indent=2)
@@ -392,137 +391,6 @@ def save_model(model: Decoder, config, path: str, *, dtype: str | None = None,
       shutil.copyfile(src, os.path.join(path, name))
       written.append(name)
   return written
-
-
-# --- CLI ---------------------------------------------------------------------------------------
-
-
-def _host_mesh(cfg: ModelConfig) -> Mesh:
-  """All local devices along fsdp when every parameter splits evenly over them, else one."""
-  n = jax.local_device_count()
-  if n > 1:
-    mesh = make_mesh({"fsdp": n}, jax.local_devices())
-    if _splits_evenly(cfg, mesh):
-      return mesh
-  return default_mesh()
-
-
-def _splits_evenly(cfg: ModelConfig, mesh: Mesh) -> bool:
-  """Whether the model's parameters (and a QLoRA run's quantization groups) divide over `mesh`:
-  the model dim may, while a latent attention rank or a head count does not."""
-  _, abstract_params, _ = abstract_model(cfg, mesh)
-  try:
-    _check_divisible(abstract_params, mesh)
-    if cfg.peft.base_quant != "none":
-      from jaxtrain import peft  # pylint: disable=import-outside-toplevel
-      peft.check_mesh(cfg, mesh)
-  except (HFFormatError, ValueError):
-    return False
-  return True
-
-
-def _config_py(overrides: dict[str, Any], source: str, stored_dtype: str) -> str:
-  lines = [f"  c.{k} = {v!r}" for k, v in overrides.items()
-           if k not in ("data.tokenizer", "model.param_dtype")]
-  if "data.tokenizer" in overrides:
-    lines.append('  c.data.tokenizer = "hf:" + os.path.join(HERE, "tokenizer.json")')
-  body = "\n".join(lines)
-  family = overrides.get("model.family", "llama")
-  return f'''"""jaxtrain config for the {family} weights in this directory.
-
-Written by `python -m jaxtrain.interop.hf import` from
-  {source}
-The weights are stored as {stored_dtype}; they are cast to model.param_dtype (float32 master
-weights) when a run starts. Train from them with (add your data.* keys):
-
-  python -m jaxtrain.main --config={{this file}} --workdir=runs/finetune
-"""
-
-import os
-
-from jaxtrain.config import default_config
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def get_config():
-  c = default_config()
-{body}
-  c.checkpoint.init_from = HERE
-  return c
-'''
-
-
-def import_command(hf_dir: str, out: str, dtype: str = "float32",
-                   mtp_depth: int | None = None) -> str:
-  """Converts a Hugging Face directory into a weights directory for checkpoint.init_from:
-  OUT/params (Orbax), OUT/config.py (ready-to-train config), OUT/jaxtrain_config.json (the
-  values), and the tokenizer files. `mtp_depth`: as load_model's. Returns the training command
-  line."""
-  # Orbax and grain load only for the CLI; load_model/save_model do not need them.
-  from jaxtrain import checkpoint  # pylint: disable=import-outside-toplevel
-
-  hf_dir, out = os.path.abspath(hf_dir), os.path.abspath(out)
-  if os.path.exists(os.path.join(out, checkpoint.WEIGHTS_ITEM)):
-    raise HFFormatError(f"--out={out}: already holds {checkpoint.WEIGHTS_ITEM}/; choose an "
-                        f"empty directory")
-  hf = hf_config.read_hf_config(hf_dir)
-  overrides = hf_config.overrides_for(hf, hf_dir, dtype)
-  cfg = ModelConfig.from_config(hf_config.to_jaxtrain_config(hf, hf_dir, dtype))
-  model, config = load_model(hf_dir, mesh=_host_mesh(cfg), dtype=dtype, mtp_depth=mtp_depth)
-  if registry.get(cfg.arch.family).multi_token_prediction:
-    overrides["model.mtp_depth"] = int(config.model.mtp_depth)
-  os.makedirs(out, exist_ok=True)
-  checkpoint.save_params(out, nnx.state(model, WEIGHTS))
-  for name in TOKENIZER_FILES:
-    if os.path.isfile(os.path.join(hf_dir, name)):
-      shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out, name))
-  if "data.tokenizer" in overrides:
-    overrides["data.tokenizer"] = "hf:" + os.path.join(out, "tokenizer.json")
-  overrides["model.param_dtype"] = "float32"  # master weights; the stored dtype is cast on load
-  with open(os.path.join(out, "jaxtrain_config.json"), "w", encoding="utf-8") as f:
-    json.dump({"source": hf_dir, "stored_dtype": dtype,
-               "overrides": {**overrides, "checkpoint.init_from": out}}, f, indent=2)
-  with open(os.path.join(out, "config.py"), "w", encoding="utf-8") as f:
-    f.write(_config_py(overrides, hf_dir, dtype))
-  flags = " ".join(f"--config.{k}={shlex.quote(str(v))}" for k, v in overrides.items())
-  return (f"python -m jaxtrain.main --config={os.path.join(out, 'config.py')} "
-          f"--workdir=runs/finetune\n# or, from another config file, the same values:\n"
-          f"#   {flags} --config.checkpoint.init_from={out}")
-
-
-def export_command(checkpoint: str, config_path: str | None, out: str, dtype: str | None = None,
-                   max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                   rope_spelling: str = "rope_parameters",
-                   overwrite: bool = False) -> list[str]:
-  """Exports a run's checkpoint or a weights directory as a Hugging Face directory; returns the
-  files written."""
-  # pylint: disable-next=import-outside-toplevel
-  from jaxtrain.run_weights import load_plain_model, plain_run_config
-
-  from jaxtrain.checkpoint import saved_config  # pylint: disable=import-outside-toplevel
-  saved = None
-  if config_path is None:
-    config_path = os.path.join(checkpoint, "config.py")
-    if not os.path.isfile(config_path):
-      try:
-        saved = saved_config(checkpoint)
-      except ConfigError:  # not a run's checkpoint either: the message below says what to pass
-        saved = None
-    if not os.path.isfile(config_path) and saved is None:
-      raise HFFormatError(f"--config: required, since {checkpoint} has neither config.py nor a "
-                          f"run's saved config; give the config file the run was trained with")
-  elif not os.path.isfile(config_path):
-    raise HFFormatError(f"--config={config_path}: no such file")
-  _existing_weights(out, overwrite)  # before minutes of loading, not after
-  # A run's checkpoint carries the resolved config it trained with (overrides included).
-  config = ml_collections.ConfigDict(saved) if saved else load_config_file(config_path)
-  cfg = ModelConfig.from_config(config)
-  # A LoRA run's adapters are merged into its base here: the export is the plain model.
-  model, _ = load_plain_model(checkpoint, config, _host_mesh(cfg))
-  return save_model(model, plain_run_config(config), out, dtype=dtype,
-                    max_file_bytes=max_file_bytes, rope_spelling=rope_spelling,
-                    overwrite=overwrite)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """The command line of `python -m jaxtrain.interop.hf`: its arguments, and errors as one line.
 
-The commands themselves (`import_command`, `export_command`) are in hf.py.
+The commands themselves (`import_command`, `export_command`) are in hf_commands.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 from jaxtrain.config import ConfigError
 from jaxtrain.interop import hf_config
-from jaxtrain.interop.hf import export_command, import_command
+from jaxtrain.interop.hf_commands import export_command, import_command
 from jaxtrain.interop.hf_config import HFFormatError
 
 
