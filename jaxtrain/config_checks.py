@@ -173,19 +173,19 @@ def _positive(config, key: str):
     raise ConfigError(f"{key}={node}: must be a positive number")
 
 
-def _check_mxfp8(config, num_devices: int) -> None:
+def _check_mxfp8(config) -> None:
   """MXFP8 scales 32-element blocks along every contracting dim: the projections' input and
-  output sizes and the tokens must be multiples of 32; one device, and not yet with experts or
-  latent attention."""
+  output sizes and the tokens must be multiples of 32; not yet with experts, latent attention
+  or pipeline stages."""
   m = config.model
-  if num_devices > 1:
-    raise ConfigError(f"precision.matmul='mxfp8': one device only for now ({num_devices} here): "
-                      f"JAX 0.10 cannot partition a block-scaled dot over a mesh; use "
-                      f"precision.matmul='fp8' on several devices")
   if config.moe.num_experts or m.kv_lora_rank:
     what = "Mixture-of-Experts layers" if config.moe.num_experts else "latent attention"
     raise ConfigError(f"precision.matmul='mxfp8': not implemented for {what} yet; use "
                       f"precision.matmul='fp8'")
+  if config.mesh.stage > 1:
+    raise ConfigError(f"precision.matmul='mxfp8': not with pipeline stages (mesh.stage="
+                      f"{config.mesh.stage}) yet: the stages' vmap cannot batch the block-scaled "
+                      f"matmul's partitioning; use precision.matmul='fp8' or mesh.stage=1")
   sizes = {"model.d_model": m.d_model, "model.mlp_dim": m.mlp_dim,
            "model.num_heads * model.head_dim": m.num_heads * m.head_dim,
            "model.num_kv_heads * model.head_dim": m.num_kv_heads * m.head_dim,
@@ -242,7 +242,7 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
                       f"{config.train.objective!r}); the DPO and GRPO losses keep their head in "
                       f"the compute dtype")
   if config.precision.matmul == "mxfp8":
-    _check_mxfp8(config, num_devices)
+    _check_mxfp8(config)
   if config.precision.matmul == "fp8" and config.moe.num_experts:
     if config.moe.capacity_factor > 0:
       raise ConfigError(f"precision.matmul='fp8' with moe.capacity_factor="

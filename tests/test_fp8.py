@@ -342,34 +342,76 @@ def test_mxfp8_training_follows_the_default_run():
                              train_curves(base, {}, steps=4)["loss"], rtol=1e-2)
 
 
+def test_mxfp8_over_a_mesh_computes_what_one_device_computes():
+  """The block-scaled matmul partitioned over a mesh (jaxtrain/mxfp8.py `_partition`): weights
+  gathered along fsdp, contractions split over `tensor` summed across it, the weight gradient
+  summed over the token axes. Every 32-block stays whole on one device, so each device quantizes
+  exactly the blocks one device would: only the order of the sums differs."""
+  from jaxtrain import mxfp8  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  x, w = _operands(6, n=128, i=128, o=64)
+  loss = jax.jit(jax.value_and_grad(
+      lambda a, b: jnp.sum(mxfp8.matmul(a, b, jnp.float32) ** 2), argnums=(0, 1)))
+  want = jax.tree.leaves(loss(x, w))
+  mesh = mesh_of({"data": 2, "fsdp": 2, "tensor": 2})
+  for x_spec, w_spec in [(P(("data", "fsdp"), None), P("fsdp", "tensor")),  # column-parallel
+                         (P(("data", "fsdp"), "tensor"), P("tensor", "fsdp"))]:  # row-parallel
+    got = jax.tree.leaves(loss(jax.device_put(x, NamedSharding(mesh, x_spec)),
+                               jax.device_put(w, NamedSharding(mesh, w_spec))))
+    for g, r in zip(got, want):
+      assert float(jnp.abs(g - r).max() / jnp.abs(r).max()) < 1e-6, (x_spec, w_spec)
+
+
+def test_mxfp8_training_on_a_mesh_follows_one_device():
+  config = _small("mxfp8", d_model=64, mlp_dim=128, num_heads=4, head_dim=16, num_kv_heads=2)
+  one = train_curves(config, {}, steps=3)
+  many = train_curves(config, {"data": 2, "fsdp": 2, "tensor": 2}, steps=3)
+  for key in ("loss", "grad_norm"):
+    np.testing.assert_allclose(many[key], one[key], rtol=1e-5)
+
+
 @pytest.mark.parametrize("changes,devices,words", [
-    ({}, 8, ["precision.matmul='mxfp8'", "one device only", "8 here"]),
     ({"mlp_dim": 120}, 1, ["model.mlp_dim=120", "multiple of 32"]),
+    ({"stage": 2}, 2, ["mesh.stage=2", "pipeline stages", "precision.matmul='fp8'"]),
 ])
 def test_mxfp8_settings_it_cannot_run_are_one_line_errors(changes, devices, words):
   from tests.helpers import assert_one_line_config_error  # pylint: disable=import-outside-toplevel
-  assert_one_line_config_error(_small("mxfp8", num_heads=4, head_dim=16, num_kv_heads=2,
-                                      **changes), devices, words)
+  config = _small("mxfp8", num_heads=4, head_dim=16, num_kv_heads=2,
+                  **{k: v for k, v in changes.items() if k != "stage"})
+  config.mesh.stage = changes.get("stage", 1)
+  assert_one_line_config_error(config, devices, words)
 
 
-def test_mxfp8_outside_blackwell_is_refused_and_b200_compiles_block_scaled_matmuls(tmp_path):
-  """H100 has FP8 but no block-scaled matmuls: refused in one line. For one B200, XLA's GPU
-  compiler keeps every projection matmul of the tiny model's step block-scaled (`scaled-dot`):
-  7 in the forward, 14 in the backward."""
-  from jaxtrain.dryrun import targets  # pylint: disable=import-outside-toplevel
+def test_mxfp8_outside_blackwell_is_refused_in_one_line():
   from tests.helpers import run_cli  # pylint: disable=import-outside-toplevel
   proc = run_cli("--config=configs/tiny.py", "--config.precision.matmul=mxfp8", "--dry_run",
                  "--dry_run_target=h100x1")
   assert proc.returncode == 2 and "has no block-scaled (MX) FP8 matmuls" in proc.stderr
+  assert len(proc.stderr.strip().splitlines()) == 1
   assert "targets that have them: b200" in proc.stderr
-  if targets.compiler_missing(targets.parse("b200x1")):
-    pytest.skip(targets.compiler_missing(targets.parse("b200x1")))
+
+
+@pytest.mark.slow(seconds=20)
+def test_llama8b_mxfp8_step_for_b200x8_multiplies_every_projection_block_scaled(tmp_path):
+  """configs/llama8b.py with precision.matmul=mxfp8, compiled by XLA's GPU compiler for 8 B200s
+  (fsdp=8): it fits, and the scanned layer's 7 projections are cuDNN block-scaled GEMMs three
+  times each (the forward and the two gradients), none of them recomputed (their outputs are
+  saved by name); only the head's 3 matmuls remain plain dots."""
+  from jaxtrain.dryrun import hlo_dots, targets  # pylint: disable=import-outside-toplevel
+  from tests.helpers import run_cli  # pylint: disable=import-outside-toplevel
+  missing = targets.compiler_missing(targets.parse("b200x8"))
+  if missing:
+    pytest.skip(missing)
   path = tmp_path / "step.hlo.txt"
-  proc = run_cli("--config=configs/tiny.py", "--config.precision.matmul=mxfp8", "--dry_run",
-                 "--dry_run_target=b200x1", f"--dry_run_hlo={path}")
+  proc = run_cli("--config=configs/llama8b.py", "--config.precision.matmul=mxfp8", "--dry_run",
+                 "--dry_run_target=b200x8", f"--dry_run_hlo={path}")
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert "fits=yes" in proc.stdout.strip().splitlines()[-1]
-  assert len(re.findall(r"\sscaled-dot\(", path.read_text())) == 21
+  last = proc.stdout.strip().splitlines()[-1]
+  assert "target=b200x8 compiler=gpu devices=8" in last and "fits=yes" in last, last
+  hlo = path.read_text()
+  assert hlo_dots.block_scaled_dots(hlo) == 21
+  assert sum(hlo_dots.dot_operand_types(hlo).values()) == 3
+  assert "matmuls       mxfp8: 21 block-scaled matmuls" in proc.stdout
 
 
 @pytest.mark.parametrize("vocab_axis", [1, 0])

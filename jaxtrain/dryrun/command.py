@@ -182,8 +182,8 @@ def _matmul_row(precision: str, hlo: str) -> str:
   """What the compiled step multiplies in low precision (the optimized HLO's dots by type)."""
   counts = hlo_dots.dot_operand_types(hlo)
   if precision == "mxfp8":
-    return (f"mxfp8: {hlo_dots.block_scaled_dots(hlo)} block-scaled (scaled-dot, e4m3 with an "
-            f"e8m0 scale per 32) of {sum(counts.values())} dots in the compiled step (a loop "
+    return (f"mxfp8: {hlo_dots.block_scaled_dots(hlo)} block-scaled matmuls (e4m3 with an e8m0 "
+            f"scale per 32), {sum(counts.values())} other dots in the compiled step (a loop "
             f"body once)")
   return f"{precision}: {hlo_dots.describe(counts)} dots in the compiled step (a loop body once)"
 

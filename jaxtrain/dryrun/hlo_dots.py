@@ -16,7 +16,7 @@ import re
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*([a-z]\w*)\[")
 # libtpu rewrites dots into `convolution`s; XLA:GPU keeps `dot`s (inside GEMM fusions).
-_DOT = re.compile(r"\s(?:dot|scaled-dot|convolution)\(%([\w.\-]+),\s*%([\w.\-]+)")
+_DOT = re.compile(r"\s(?:dot|convolution)\(%([\w.\-]+),\s*%([\w.\-]+)")
 FP8_TYPES = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz")
 
 
@@ -39,8 +39,10 @@ def dot_operand_types(hlo: str) -> collections.Counter:
 
 
 def block_scaled_dots(hlo: str) -> int:
-  """`scaled-dot` instructions: block-scaled (MXFP8) matmuls."""
-  return len(re.findall(r"\sscaled-dot\(", hlo))
+  """Block-scaled (MXFP8) matmuls: XLA's `scaled-dot` instructions, and the cuDNN block-scaled
+  GEMM calls XLA:GPU makes of `jax.nn.scaled_matmul` (jaxtrain/mxfp8.py)."""
+  return (len(re.findall(r"\sscaled-dot\(", hlo))
+          + len(re.findall(r'custom_call_target="__cudnn\$blockScaledDot"', hlo)))
 
 
 def fp8_dots(counts: collections.Counter) -> tuple[int, int]:

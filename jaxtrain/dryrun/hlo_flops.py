@@ -11,8 +11,9 @@ XLA records for the counted loops that `lax.scan` produces.
 A conditional (`lax.cond`) counts its costliest branch, as if it always ran: context-parallel
 attention's tiles above the causal diagonal, which it skips at run time, are counted too.
 
-Only matmuls are counted (the model's, attention included): `dot`s, and the `convolution`s that
-libtpu's compiler rewrites them into; elementwise work is left out as in the analytic formula
+Only matmuls are counted (the model's, attention included): `dot`s, block-scaled `scaled-dot`s
+and cuDNN's block-scaled GEMM calls (MXFP8), and the `convolution`s that libtpu's compiler
+rewrites dots into; elementwise work is left out as in the analytic formula
 (metrics.flops_per_token). libtpu also drops `known_trip_count` from its loops: the trip count is
 then read from the loop condition (`counter < N` against one integer constant), as XLA's own loop
 analysis does.
@@ -127,7 +128,9 @@ def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str | None, int, int
       current.compares_less = True
     if opcode == "convolution":
       current.dot_flops += _convolution_flops(shapes, name, op_text)
-    if opcode == "dot":
+    if opcode == "custom-call" and _BLOCK_SCALED_CALL in op_text:
+      current.dot_flops += _block_scaled_call_flops(shapes, op_text)
+    if opcode in ("dot", "scaled-dot"):
       out, operands = shapes[name], _operands(op_text)
       lhs = shapes.get(operands[0]) if operands else None
       contracting = _CONTRACTING.search(op_text)
@@ -165,6 +168,19 @@ def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str | None, int, int
         unknown += 1
         comp.calls.append((body, 1))
   return computations, entry, loops, unknown
+
+
+# cuDNN's block-scaled (MXFP8) GEMM, as XLA:GPU calls it: lhs [B, M, K] x rhs [B, N, K].
+_BLOCK_SCALED_CALL = 'custom_call_target="__cudnn$blockScaledDot"'
+
+
+def _block_scaled_call_flops(shapes, op_text: str) -> float:
+  operands = _operands(op_text)
+  lhs = shapes.get(operands[0]) if len(operands) > 1 else None
+  rhs = shapes.get(operands[1]) if len(operands) > 1 else None
+  if not lhs or not rhs or len(lhs) != 3 or len(rhs) != 3:
+    return 0.0
+  return 2.0 * lhs[0] * lhs[1] * rhs[1] * lhs[2]
 
 
 _WINDOW = re.compile(r"window=\{([^}]*)\}")

@@ -30,9 +30,12 @@ def stack_options(cfg: ModelConfig) -> layer_stack.StackOptions:
   """How `cfg`'s layers run (parallel/layer_stack.py): loop, remat policy, pipeline schedule."""
   rt, par = cfg.runtime, cfg.parallel
   remat = rt.remat_policy != "none"
+  # MXFP8's block-scaled matmuls are not dot_generals, which the shape-based policies look for:
+  # their outputs are saved by name instead (as under pipeline stages).
+  by_name = rt.matmul_precision == "mxfp8"
   return layer_stack.StackOptions(
       scan_layers=rt.scan_layers, remat=remat,
-      policy=remat_policy(rt.remat_policy) if remat else None,
+      policy=remat_policy(rt.remat_policy, by_name=by_name) if remat else None,
       stage_policy=remat_policy(rt.remat_policy, by_name=True) if remat else None,
       pipeline_microbatches=par.pipeline_microbatches, pipeline_repeats=par.pipeline_repeats,
       pipeline_gather_weights_once=par.pipeline_gather_weights_once)
