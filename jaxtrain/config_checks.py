@@ -243,11 +243,6 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
                       f"the compute dtype")
   if config.precision.matmul == "mxfp8":
     _check_mxfp8(config)
-  if config.precision.matmul == "fp8" and config.moe.num_experts:
-    if config.moe.capacity_factor > 0:
-      raise ConfigError(f"precision.matmul='fp8' with moe.capacity_factor="
-                        f"{config.moe.capacity_factor}: the experts' FP8 matmuls run in the "
-                        f"dropless route only; set moe.capacity_factor=0")
   if config.attention.impl not in ATTENTION_IMPLS:
     raise ConfigError(f"attention.impl={config.attention.impl!r}: unknown attention "
                       f"implementation; choose one of {', '.join(ATTENTION_IMPLS)}")

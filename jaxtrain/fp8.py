@@ -29,6 +29,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.parallel.varying import vary_alike
+
 E4M3 = jnp.float8_e4m3fn  # forward: activations and weights
 E5M2 = jnp.float8_e5m2  # backward: the output gradient
 
@@ -83,3 +85,43 @@ def _backward(out_dtype, residuals, g_NO):
 
 
 matmul.defvjp(_forward, _backward)
+
+
+# The same for a stack of matmuls sharing a leading batch dim G (the experts' [G, C, D] buffers
+# in capacity mode): one scale per tensor, as for the grouped matmuls (jaxtrain/grouped_matmul.py).
+_BATCH = ((0,), (0,))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _batched_matmul(x_GNI: jax.Array, w_GIO: jax.Array, out_dtype) -> jax.Array:
+  return _batched_forward(x_GNI, w_GIO, out_dtype)[0]
+
+
+def batched_matmul(x_GNI: jax.Array, w_GIO: jax.Array, out_dtype) -> jax.Array:
+  """x [G, N, I] @ w [G, I, O] per g in FP8 (as `matmul`), in `out_dtype`; gradients in x's and
+  w's dtypes. Works inside shard_map (the expert-parallel layer): see parallel/varying.py."""
+  return _batched_matmul(*vary_alike(x_GNI, w_GIO), out_dtype)
+
+
+def _batched_forward(x_GNI, w_GIO, out_dtype):
+  xq_GNI, s_x = quantize(x_GNI, E4M3)
+  wq_GIO, s_w = quantize(w_GIO, E4M3)
+  y_GNO = jax.lax.dot_general(xq_GNI, wq_GIO, (((2,), (1,)), _BATCH),
+                              preferred_element_type=out_dtype) * (s_x * s_w).astype(out_dtype)
+  dtypes = (jnp.zeros((0,), x_GNI.dtype), jnp.zeros((0,), w_GIO.dtype))
+  return y_GNO, (xq_GNI, s_x, wq_GIO, s_w, dtypes)
+
+
+def _batched_backward(out_dtype, residuals, g_GNO):
+  del out_dtype
+  xq_GNI, s_x, wq_GIO, s_w, (x_dtype, w_dtype) = residuals
+  gq_GNO, s_g = quantize(g_GNO, E5M2)
+  f32 = jnp.float32
+  dx_GNI = jax.lax.dot_general(gq_GNO, wq_GIO, (((2,), (2,)), _BATCH),
+                               preferred_element_type=f32) * (s_g * s_w)
+  dw_GIO = jax.lax.dot_general(xq_GNI, gq_GNO, (((1,), (1,)), _BATCH),
+                               preferred_element_type=f32) * (s_x * s_g)
+  return dx_GNI.astype(x_dtype.dtype), dw_GIO.astype(w_dtype.dtype)
+
+
+_batched_matmul.defvjp(_batched_forward, _batched_backward)

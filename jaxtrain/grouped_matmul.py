@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain import fp8
+from jaxtrain.parallel.varying import vary_alike
 
 IMPLS = ("auto", "ragged", "blocked")
 BLOCK_ROWS = 128
@@ -57,7 +58,7 @@ def grouped_matmul(x_RD: jax.Array, w_GDF: jax.Array, group_sizes_G: jax.Array, 
     # Output in x's dtype (the kernel accumulates in float32 inside): a float32 [R, F] result
     # would double the largest buffer of an expert-parallel layer.
     if precision == "fp8":
-      y_RF = _ragged_fp8(*_vary_alike(x_RD, w_GDF), group_sizes_G)
+      y_RF = _ragged_fp8(*vary_alike(x_RD, w_GDF), group_sizes_G)
     else:
       y_RF = jax.lax.ragged_dot(x_RD, w_GDF, group_sizes_G, preferred_element_type=x_RD.dtype)
     in_groups_R = jnp.arange(x_RD.shape[0]) < jnp.sum(group_sizes_G)
@@ -65,25 +66,8 @@ def grouped_matmul(x_RD: jax.Array, w_GDF: jax.Array, group_sizes_G: jax.Array, 
   if impl != "blocked":
     raise ValueError(f"grouped_matmul impl={impl!r}: choose 'ragged' or 'blocked'")
   block_rows = max(8, min(block_rows, _round_up(x_RD.shape[0], 8)))
-  x_RD, w_GDF = _vary_alike(x_RD, w_GDF)
+  x_RD, w_GDF = vary_alike(x_RD, w_GDF)
   return _blocked(x_RD, w_GDF, group_sizes_G, block_rows, precision == "fp8")
-
-
-def _varying(x) -> frozenset:
-  """The manual mesh axes `x` varies over inside shard_map (empty outside)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)
-  return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
-
-
-def _vary_alike(*arrays):
-  """`arrays` marked as varying over the union of their axes. A custom_vjp's backward must give
-  each input's cotangent the input's type; marked first, the cotangents' sums over the axes an
-  input did not vary over (a weight's gradient over the token shards) are JAX's to insert."""
-  union = frozenset().union(*(_varying(a) for a in arrays))
-  return tuple(a if _varying(a) == union else
-               jax.lax.pcast(a, tuple(sorted(union - _varying(a))), to="varying")
-               for a in arrays)
 
 
 def _round_up(n: int, m: int) -> int:

@@ -33,6 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxtrain import fp8
 from jaxtrain.grouped_matmul import grouped_matmul
 from jaxtrain.parallel import expert_parallel
 from jaxtrain.parallel.expert_parallel import Sequences
@@ -58,7 +59,7 @@ class Routing:
   scaling_factor: float = 1.0
   # DeepSeek-V3's sequence-wise balance statistics (moe.seq_aux_loss_coef > 0).
   sequence_balance: bool = False
-  # The experts' base matmuls: "none" or "fp8" (precision.matmul; the dropless blocked route).
+  # The experts' base matmuls: "none" or "fp8" (precision.matmul; every route).
   precision: str = "none"
 
 
@@ -165,7 +166,10 @@ def expert_mlp_batched(x_GCD, experts: dict, routing: Routing):
   """Each expert's C buffered rows through its gated MLP: three batched matmuls (and the
   adapters' factors)."""
   def mm(x, name):
-    y = jnp.einsum("GCI,GIO->GCO", x, experts[name], preferred_element_type=jnp.float32)
+    if routing.precision == "fp8":
+      y = fp8.batched_matmul(x, experts[name], x.dtype)
+    else:
+      y = jnp.einsum("GCI,GIO->GCO", x, experts[name], preferred_element_type=jnp.float32)
     if name + "_a" in experts:
       h = jnp.einsum("GCI,GIR->GCR", x, experts[name + "_a"]) * routing.lora_scale
       y = y + jnp.einsum("GCR,GRO->GCO", h, experts[name + "_b"],
