@@ -20,10 +20,12 @@ import json
 import os
 import re
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from absl import logging as absl_logging
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxtrain.config import ConfigError
@@ -238,17 +240,41 @@ def load_params(path: str, abstract_params: Any) -> tuple[Any, str]:
     saved = checkpointer.metadata(item).item_metadata.tree
   saved = saved[subtree] if subtree else saved
   saved, left_out = _without_extra_prediction_modules(saved, abstract_params)
-  mismatches = shape_mismatches(saved, abstract_params)
+  saved, abstract_read, new_score = _language_model_for_a_reward_model(saved, abstract_params)
+  mismatches = shape_mismatches(saved, abstract_read)
   if mismatches:
     raise ConfigError(f"checkpoint.init_from={path!r}: the weights in {item} do not match this "
                       f"model config: {'; '.join(mismatches[:6])}"
                       f"{' ...' if len(mismatches) > 6 else ''}")
-  target = {subtree: abstract_params} if subtree else abstract_params
+  target = {subtree: abstract_read} if subtree else abstract_read
   with _quiet_orbax():
     restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=bool(subtree) or left_out))
-  return (restored[subtree] if subtree else restored), item
+        partial_restore=bool(subtree) or left_out or new_score))
+  restored = restored[subtree] if subtree else restored
+  if new_score:  # the read params in the model's tree, and the score head's zeros
+    read = {_path_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(restored)}
+
+    def fill(p, spec):
+      name = _path_name(p)
+      if name in read:
+        return read[name]
+      return jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=spec.sharding)()
+    restored = jax.tree_util.tree_map_with_path(fill, abstract_params)
+  return restored, item
+
+
+def _language_model_for_a_reward_model(saved: dict, abstract_params):
+  """(saved tree, params to read, whether the score head starts new): a reward model (a score
+  head) started from a language model's weights reads everything but the vocabulary head, and
+  its score head starts at zero (every reward 0; the first step's gradient moves it)."""
+  if not isinstance(saved, Mapping) or not isinstance(abstract_params, Mapping):
+    return saved, abstract_params, False
+  if "score_D1" not in abstract_params or "score_D1" in saved:
+    return saved, abstract_params, False
+  saved = {k: v for k, v in saved.items() if k != "head_DV"}
+  read = type(abstract_params)({k: v for k, v in abstract_params.items() if k != "score_D1"})
+  return saved, read, True
 
 
 def _without_extra_prediction_modules(saved: dict, abstract_params) -> tuple[dict, bool]:

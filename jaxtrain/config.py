@@ -26,7 +26,7 @@ ROPE_SCALING_TYPES = ("none", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 # Adam moments: float16 is refused, its range underflows the second moment of small grads.
 STATE_DTYPES = ("float32", "bfloat16")
-OBJECTIVES = ("lm", "dpo", "grpo")
+OBJECTIVES = ("lm", "dpo", "grpo", "reward")
 # grpo.on_reward_error: stop the run, or skip the batch of rollouts (drawing the next prompts).
 REWARD_ERROR_POLICIES = ("stop", "skip")
 # Projections that can carry LoRA adapters: attention q/k/v/o and the gated MLP's three (each
@@ -101,6 +101,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.mtp_depth = 0
   c.model.mtp_loss_weight = 0.3
   c.model.tie_embeddings = False
+  # A scalar score head [D, 1] instead of the vocabulary head: a reward model (the
+  # `*ForSequenceClassification` checkpoints); the model's call gives [B, T] scores. Implied by
+  # train.objective="reward".
+  c.model.score_head = False
   c.model.init_std = 0.02
   c.model.scan_layers = True
   c.model.remat_policy = "minimal"
@@ -244,8 +248,15 @@ def default_config() -> ml_collections.ConfigDict:
   # marks the prompt out of the loss); "dpo": Direct Preference Optimization on preference
   # pairs (data.format="preference") against a frozen reference (see the dpo group); "grpo":
   # online RL on prompts (data.format="prompt") with completions sampled in the loop and scored
-  # by reward functions (see the grpo group).
+  # by reward functions (see the grpo group); "reward": a reward model (a score head, see
+  # model.score_head) trained on preference pairs with the Bradley-Terry loss (the reward group).
   c.train.objective = "lm"
+
+  # Reward-model training (jaxtrain.reward, docs/finetuning.md): loss per pair
+  # -log sigmoid(r_chosen - r_rejected - margin) + center_coef * (r_chosen + r_rejected)^2.
+  c.reward = ml_collections.ConfigDict()
+  c.reward.margin = 0.0  # how far the chosen reward must beat the rejected one before the loss rests
+  c.reward.center_coef = 0.0  # pulls the rewards toward mean 0 (TRL's default when used: 0.01)
 
   c.dpo = ml_collections.ConfigDict()
   # Strength of the implicit KL penalty: larger keeps the policy nearer the reference.

@@ -41,6 +41,8 @@ class Architecture:
   rope_scaling: tuple[tuple[str, Any], ...] | None = None
   max_position_embeddings: int = 8192
   tie_embeddings: bool = False
+  # A scalar score head instead of the vocabulary head (a reward model).
+  score_head: bool = False
   init_std: float = 0.02
   # Sliding-window attention: a token sees the `sliding_window` tokens ending at itself on the
   # layers whose type is "sliding"; 0: no window anywhere.
@@ -113,6 +115,8 @@ class Architecture:
               f"{self.v_head_dim})")
     if self.mtp_depth:
       out += f", {self.mtp_depth} multi-token prediction module(s)"
+    if self.score_head:
+      out += ", score head (reward model)"
     sliding = sum(self.sliding_layers())
     if sliding:
       out += f", window {self.sliding_window} on {sliding} of {self.num_layers} layers"
@@ -284,6 +288,13 @@ def parse_layer_indices(value: str) -> tuple[int, ...]:
   return tuple(int(i.strip()) for i in str(value).split(",") if i.strip())
 
 
+def _has_score_head(config) -> bool:
+  """model.score_head, implied by train.objective="reward" (absent from older configs)."""
+  train = config.get("train")
+  return (bool(config.model.get("score_head", False))
+          or (train is not None and train.get("objective") == "reward"))
+
+
 def architecture_of(config) -> Architecture:
   """The Architecture of a run config: its `model` group, and its `moe` group when
   moe.num_experts > 0."""
@@ -309,7 +320,7 @@ def architecture_of(config) -> Architecture:
       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
       mlp_dim=m.mlp_dim, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
       rope_scaling=rope_scaling_of(m), max_position_embeddings=m.max_position_embeddings,
-      tie_embeddings=m.tie_embeddings, init_std=m.init_std,
+      tie_embeddings=m.tie_embeddings, init_std=m.init_std, score_head=_has_score_head(config),
       sliding_window=int(m.sliding_window), layer_types=parse_layer_types(m.layer_types),
       local_rope_theta=float(m.local_rope_theta),
       query_pre_attn_scalar=float(m.query_pre_attn_scalar))

@@ -60,7 +60,8 @@ def _mtp_matmul_params(arch, active: bool) -> int:
 
 def param_count(arch, active: bool = False) -> int:
   """Parameters of the model: embedding V*D; per layer the projections, 2 norm scales of D (4 with
-  sandwich norms), q/k norms of E each, q/k/v biases; final norm D; head D*V unless tied; each
+  sandwich norms), q/k norms of E each, q/k/v biases; final norm D; head D*V unless tied (a
+  score head: D); each
   multi-token-prediction module's projections, its block's norms and its own three norms.
   `active`: an MoE model's parameters one token uses (its k experts of each MoE layer)."""
   features = arch.features
@@ -75,7 +76,7 @@ def param_count(arch, active: bool = False) -> int:
   # optimizer, but part of the model).
   moe_layers = sum(arch.moe_layers()) + (arch.mtp_depth if arch.num_experts else 0)
   biases = arch.num_experts * moe_layers if arch.router_bias else 0
-  head = 0 if arch.tie_embeddings else d * arch.vocab_size
+  head = d if arch.score_head else 0 if arch.tie_embeddings else d * arch.vocab_size
   mtp = arch.mtp_depth * (per_layer + 3 * d) + _mtp_matmul_params(arch, active)
   return (arch.vocab_size * d + arch.num_layers * per_layer + _layers_matmul_params(arch, active)
           + biases + d + head + mtp)
@@ -83,8 +84,9 @@ def param_count(arch, active: bool = False) -> int:
 
 def matmul_params(arch) -> int:
   """N_matmul: every layer's projections (an MoE layer's active ones) plus the output head
-  (once, tied or not); per multi-token-prediction module its projections and the head again."""
-  head = arch.d_model * arch.vocab_size
+  (once, tied or not; a reward model's score head D); per multi-token-prediction module its
+  projections and the head again."""
+  head = arch.d_model * (1 if arch.score_head else arch.vocab_size)
   return (_layers_matmul_params(arch, active=True) + head
           + _mtp_matmul_params(arch, active=True) + arch.mtp_depth * head)
 

@@ -92,12 +92,26 @@ class Decoder(nnx.Module):
     self.final_norm = norm(cfg, a.d_model)
     if a.mtp_depth:  # multi-token prediction (models/mtp.py), after the layers in tree order
       self.mtp = nnx.List([mtp.PredictionModule(cfg, rngs) for _ in range(a.mtp_depth)])
-    if not a.tie_embeddings:
+    if a.score_head:  # a reward model: one score per position instead of the vocabulary
+      self.score_D1 = param(rngs, (a.d_model, 1), ("embed", None), a.init_std,
+                            jnp.dtype(cfg.runtime.param_dtype))
+    elif not a.tie_embeddings:
       self.head_DV = param(rngs, (a.d_model, a.vocab_size), ("embed", "vocab"), a.init_std,
                            jnp.dtype(cfg.runtime.param_dtype))
 
+  def _check_vocab_head(self):
+    if self.cfg.arch.score_head:
+      raise ValueError("this model has a score head (a reward model): it scores sequences "
+                       "(model(tokens) -> [B, T]) and has no vocabulary head to predict tokens")
+
+  def scores(self, x_BTD) -> jax.Array:
+    """The score head on final-normed hidden states: [B, T] float32."""
+    w_D1 = self.score_D1[...].astype(self.cfg.runtime.dtype)
+    return jnp.einsum("BTD,DO->BTO", x_BTD, w_D1, preferred_element_type=jnp.float32)[..., 0]
+
   def head_weights(self) -> jax.Array:
     """Output projection [D, V] in the compute dtype (the embedding table when tied)."""
+    self._check_vocab_head()
     w_DV = self.embed_VD[...].T if self.cfg.arch.tie_embeddings else self.head_DV[...]
     return w_DV.astype(self.cfg.runtime.dtype)
 
@@ -105,6 +119,7 @@ class Decoder(nnx.Module):
     """(output projection in the compute dtype, the axis of its vocab dim): head_DV and 1, or the
     tied embedding table [V, D] and 0 as stored, for the chunked losses to contract without a
     transposed copy (jaxtrain/cross_entropy.py)."""
+    self._check_vocab_head()
     if self.cfg.arch.tie_embeddings:
       return self.embed_VD[...].astype(self.cfg.runtime.dtype), 0
     return self.head_DV[...].astype(self.cfg.runtime.dtype), 1
@@ -253,7 +268,8 @@ class Decoder(nnx.Module):
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
                dropout_key=None) -> jax.Array:
     """Logits [B, T, V] in float32 (for generation and interop; training uses the chunked loss),
-    in the order of the inputs whatever the mesh."""
+    in the order of the inputs whatever the mesh; with a score head (a reward model), the
+    scores [B, T] instead (a sequence's reward is its last real token's)."""
     b, t = tokens_BT.shape
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -263,6 +279,10 @@ class Decoder(nnx.Module):
     inputs = self.sequence_layout(inputs)
     x_BTD = self.hidden_states(inputs["tokens"], inputs["positions"], inputs.get("segment_ids"),
                                dropout_key=dropout_key)
+    if self.cfg.arch.score_head:
+      scores_BT = context_parallel.from_layout(self.scores(x_BTD), context_parallel.context_size(),
+                                               self.cfg.parallel.context_load_balance)
+      return shard(scores_BT, ("act_batch", "act_length"))
     logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, self.head_weights(),
                             preferred_element_type=jnp.float32)
     logits_BTV = context_parallel.from_layout(logits_BTV, context_parallel.context_size(),

@@ -7,8 +7,9 @@ from jaxtrain.objectives.base import Objective
 from jaxtrain.objectives.dpo import DPO
 from jaxtrain.objectives.grpo import GRPO
 from jaxtrain.objectives.lm import LanguageModel
+from jaxtrain.objectives.reward import RewardModel
 
-__all__ = ["DPO", "GRPO", "LanguageModel", "NAMES", "Objective", "get"]
+__all__ = ["DPO", "GRPO", "LanguageModel", "NAMES", "Objective", "RewardModel", "get"]
 
 
 def get(config_or_name, *, dpo_beta: float | None = None) -> Objective:
@@ -27,4 +28,6 @@ def get(config_or_name, *, dpo_beta: float | None = None) -> Objective:
     return DPO(beta)
   if name == "grpo":
     return GRPO(config_or_name.grpo)
+  if name == "reward":
+    return RewardModel(None if isinstance(config_or_name, str) else config_or_name.reward)
   raise ValueError(f"unknown objective {name!r}; the objectives are {NAMES}")

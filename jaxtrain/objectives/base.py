@@ -44,7 +44,7 @@ class Objective(abc.ABC):
     """ConfigError (one line) for settings this objective cannot train with."""
     if config.data.format == "preference":
       raise ConfigError(f"data.format='preference': preference pairs train only with "
-                        f"train.objective='dpo', not {self.name!r}")
+                        f"train.objective='dpo' or 'reward', not {self.name!r}")
 
   def describe_row(self, seq_len: int) -> str:
     """One row of its batches in words, for config errors about lengths."""
