@@ -12,7 +12,8 @@ from jaxtrain.grouped_matmul import resolve_impl
 from tests.helpers import REPO, run_main
 
 SIZED_FOR_ACCELERATORS = ("llama3_1b", "llama3_3b", "llama8b", "llama70b", "llama405b",
-                          "sft_lora_llama8b", "dpo_llama8b", "qlora_llama8b", "llama8b_128k",
+                          "sft_lora_llama8b", "dpo_llama8b", "reward_llama8b", "qlora_llama8b",
+                          "llama8b_128k",
                           "grpo_llama8b", "qwen3_8b", "qwen3_32b", "mistral_7b", "gemma3_27b",
                           "sft_lora_qwen3_8b", "qlora_gemma3_27b", "mixtral_8x7b",
                           "qwen3_30b_a3b", "qwen3_235b_a22b", "qlora_qwen3_30b_a3b",
