@@ -240,7 +240,7 @@ def load_params(path: str, abstract_params: Any) -> tuple[Any, str]:
     saved = checkpointer.metadata(item).item_metadata.tree
   saved = saved[subtree] if subtree else saved
   saved, left_out = _without_extra_prediction_modules(saved, abstract_params)
-  saved, abstract_read, new_score = _language_model_for_a_reward_model(saved, abstract_params)
+  saved, abstract_read, new_heads = _new_heads(saved, abstract_params)
   mismatches = shape_mismatches(saved, abstract_read)
   if mismatches:
     raise ConfigError(f"checkpoint.init_from={path!r}: the weights in {item} do not match this "
@@ -250,9 +250,9 @@ def load_params(path: str, abstract_params: Any) -> tuple[Any, str]:
   with _quiet_orbax():
     restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=bool(subtree) or left_out or new_score))
+        partial_restore=bool(subtree) or left_out or new_heads))
   restored = restored[subtree] if subtree else restored
-  if new_score:  # the read params in the model's tree, and the score head's zeros
+  if new_heads:  # the read params in the model's tree, and the new heads' zeros
     read = {_path_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(restored)}
 
     def fill(p, spec):
@@ -264,16 +264,17 @@ def load_params(path: str, abstract_params: Any) -> tuple[Any, str]:
   return restored, item
 
 
-def _language_model_for_a_reward_model(saved: dict, abstract_params):
-  """(saved tree, params to read, whether the score head starts new): a reward model (a score
-  head) started from a language model's weights reads everything but the vocabulary head, and
-  its score head starts at zero (every reward 0; the first step's gradient moves it)."""
+def _new_heads(saved: dict, abstract_params):
+  """(saved tree, params to read, whether heads start new): a reward model's score head or
+  PPO's value head that the weights (a language model's) do not hold starts at zero; a reward
+  model reads everything but the vocabulary head it does not have."""
   if not isinstance(saved, Mapping) or not isinstance(abstract_params, Mapping):
     return saved, abstract_params, False
-  if "score_D1" not in abstract_params or "score_D1" in saved:
+  new = [k for k in NEW_HEADS if k in abstract_params and k not in saved]
+  if not new:
     return saved, abstract_params, False
-  saved = {k: v for k, v in saved.items() if k != "head_DV"}
-  read = type(abstract_params)({k: v for k, v in abstract_params.items() if k != "score_D1"})
+  saved = {k: v for k, v in saved.items() if k != "head_DV" or k in abstract_params}
+  read = type(abstract_params)({k: v for k, v in abstract_params.items() if k not in new})
   return saved, read, True
 
 
@@ -309,6 +310,8 @@ def _quiet_orbax():
 
 
 WEIGHTS_ITEM = "params"
+# Heads a model can have that a language model's weights lack: they start at zero.
+NEW_HEADS = ("score_D1", "value_D1")
 
 
 def saved_config(path: str) -> dict | None:

@@ -1,5 +1,6 @@
 """PPO's math (jaxtrain/ppo.py) against plain numpy loops written from the formulas."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -101,3 +102,21 @@ def test_the_clipped_policy_and_value_losses_match_the_formulas():
                                                    adv, returns, mask)), vf_coef=0.0)
   np.testing.assert_allclose(total, per_seq(-adv).sum(), rtol=1e-5, atol=1e-6)
   assert float(sums["clip_fraction"]) == 0 and float(sums["value_clip_fraction"]) == 0
+
+
+def test_a_value_head_sits_beside_the_vocabulary_head():
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from jaxtrain.models import cost  # pylint: disable=import-outside-toplevel
+  from jaxtrain.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  from jaxtrain.sharding import create_model  # pylint: disable=import-outside-toplevel
+  from tests.helpers import mesh_of  # pylint: disable=import-outside-toplevel
+  cfg = ModelConfig.of(vocab_size=61, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+                       head_dim=8, mlp_dim=64, max_position_embeddings=64, value_head=True)
+  model = create_model(cfg, mesh_of((1, 1, 1)))
+  params = nnx.state(model, nnx.Param)
+  assert {"value_D1", "head_DV"} <= set(nnx.to_pure_dict(params))
+  assert sum(x.size for x in jax.tree.leaves(params)) == cost.param_count(cfg.arch)
+  ids = jnp.ones((2, 5), jnp.int32)
+  assert model(ids).shape == (2, 5, 61)
+  x = model.hidden_states(ids, jnp.broadcast_to(jnp.arange(5), (2, 5)), jnp.ones((2, 5), jnp.int32))
+  assert model.values(x).shape == (2, 5)

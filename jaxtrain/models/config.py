@@ -43,6 +43,8 @@ class Architecture:
   tie_embeddings: bool = False
   # A scalar score head instead of the vocabulary head (a reward model).
   score_head: bool = False
+  # A scalar value head beside the vocabulary head (PPO's critic on the policy's trunk).
+  value_head: bool = False
   init_std: float = 0.02
   # Sliding-window attention: a token sees the `sliding_window` tokens ending at itself on the
   # layers whose type is "sliding"; 0: no window anywhere.
@@ -117,6 +119,8 @@ class Architecture:
       out += f", {self.mtp_depth} multi-token prediction module(s)"
     if self.score_head:
       out += ", score head (reward model)"
+    if self.value_head:
+      out += ", value head (PPO)"
     sliding = sum(self.sliding_layers())
     if sliding:
       out += f", window {self.sliding_window} on {sliding} of {self.num_layers} layers"
@@ -295,6 +299,13 @@ def _has_score_head(config) -> bool:
           or (train is not None and train.get("objective") == "reward"))
 
 
+def _has_value_head(config) -> bool:
+  """model.value_head, implied by train.objective="ppo" (absent from older configs)."""
+  train = config.get("train")
+  return (bool(config.model.get("value_head", False))
+          or (train is not None and train.get("objective") == "ppo"))
+
+
 def architecture_of(config) -> Architecture:
   """The Architecture of a run config: its `model` group, and its `moe` group when
   moe.num_experts > 0."""
@@ -321,6 +332,7 @@ def architecture_of(config) -> Architecture:
       mlp_dim=m.mlp_dim, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
       rope_scaling=rope_scaling_of(m), max_position_embeddings=m.max_position_embeddings,
       tie_embeddings=m.tie_embeddings, init_std=m.init_std, score_head=_has_score_head(config),
+      value_head=_has_value_head(config),
       sliding_window=int(m.sliding_window), layer_types=parse_layer_types(m.layer_types),
       local_rope_theta=float(m.local_rope_theta),
       query_pre_attn_scalar=float(m.query_pre_attn_scalar))

@@ -61,7 +61,7 @@ def _mtp_matmul_params(arch, active: bool) -> int:
 def param_count(arch, active: bool = False) -> int:
   """Parameters of the model: embedding V*D; per layer the projections, 2 norm scales of D (4 with
   sandwich norms), q/k norms of E each, q/k/v biases; final norm D; head D*V unless tied (a
-  score head: D); each
+  score head: D; a value head: D more); each
   multi-token-prediction module's projections, its block's norms and its own three norms.
   `active`: an MoE model's parameters one token uses (its k experts of each MoE layer)."""
   features = arch.features
@@ -77,6 +77,7 @@ def param_count(arch, active: bool = False) -> int:
   moe_layers = sum(arch.moe_layers()) + (arch.mtp_depth if arch.num_experts else 0)
   biases = arch.num_experts * moe_layers if arch.router_bias else 0
   head = d if arch.score_head else 0 if arch.tie_embeddings else d * arch.vocab_size
+  head += d if arch.value_head else 0
   mtp = arch.mtp_depth * (per_layer + 3 * d) + _mtp_matmul_params(arch, active)
   return (arch.vocab_size * d + arch.num_layers * per_layer + _layers_matmul_params(arch, active)
           + biases + d + head + mtp)
@@ -87,6 +88,7 @@ def matmul_params(arch) -> int:
   (once, tied or not; a reward model's score head D); per multi-token-prediction module its
   projections and the head again."""
   head = arch.d_model * (1 if arch.score_head else arch.vocab_size)
+  head += arch.d_model if arch.value_head else 0
   return (_layers_matmul_params(arch, active=True) + head
           + _mtp_matmul_params(arch, active=True) + arch.mtp_depth * head)
 

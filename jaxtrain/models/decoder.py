@@ -98,6 +98,14 @@ class Decoder(nnx.Module):
     elif not a.tie_embeddings:
       self.head_DV = param(rngs, (a.d_model, a.vocab_size), ("embed", "vocab"), a.init_std,
                            jnp.dtype(cfg.runtime.param_dtype))
+    if a.value_head:  # PPO's critic: one value per position, beside the vocabulary head
+      self.value_D1 = param(rngs, (a.d_model, 1), ("embed", None), a.init_std,
+                            jnp.dtype(cfg.runtime.param_dtype))
+
+  def values(self, x_BTD) -> jax.Array:
+    """The value head on final-normed hidden states: [B, T] float32 (PPO's critic)."""
+    w_D1 = self.value_D1[...].astype(self.cfg.runtime.dtype)
+    return jnp.einsum("BTD,DO->BTO", x_BTD, w_D1, preferred_element_type=jnp.float32)[..., 0]
 
   def _check_vocab_head(self):
     if self.cfg.arch.score_head:
