@@ -82,11 +82,29 @@ All the following: 2 rows of 40 tokens (vocab 128), float32, eager attention, hi
                         save_pretrained writes them (fixture_info.json: the text prefix); the
                         logits of text-only inputs (ids below the image tokens 125-127), which must
                         equal those of a Gemma3ForCausalLM holding the same text weights.
+
+Reward models (*ForSequenceClassification, num_labels=1: a score head `score.weight` [1, D] in
+place of lm_head), eager attention, 40-token inputs, pad_token_id 0 (the tiny tokenizer's <s>,
+which jaxtrain's export also writes: the BOS of a tokenizer without a pad token). Each directory
+holds `input_ids.npy` [2, 40] and transformers' per-position scores `scores.npy` [2, 40] (the
+score head on every position's final hidden state), a right-padded batch `padded_input_ids.npy`
+with its `attention_mask.npy` [3, 40] (rows of 40, 29 and 13 real tokens, ids >= 3, padded with
+0) and the *ForSequenceClassification forward's `pooled_logits.npy` [3, 1] on it (the score at
+each row's rightmost non-pad token), and a tokenizer.json.
+
+  hf_llama_reward:      LlamaForSequenceClassification, GQA 4/2, default RoPE, untied config.
+  hf_qwen3_reward:      Qwen3ForSequenceClassification, GQA 4/2, head_dim 16, random
+                        q_norm/k_norm, tie_word_embeddings true (no head either way).
+
+`--check_exports` on them: jaxtrain imports each and exports it in both rope spellings;
+AutoModelForSequenceClassification must load the export as the family's class and compute the
+fixture's scores and pooled logits (fixture_info.json's "export_check").
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -95,13 +113,15 @@ from typing import Callable
 import numpy as np
 import torch
 import transformers
-from transformers import LlamaForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,
+                          Qwen3Config, Qwen3ForSequenceClassification)
 
 import hf_family_fixtures as families
 import hf_moe_fixtures as moe
 import hf_deepseek_fixtures as deepseek
-from hf_fixture_tools import (LOGIT_TOL, ROOT, VOCAB, ids_40, logits_and_loss, random_model,
-                              tiny_tokenizer, write_case)
+from hf_fixture_tools import (LOGIT_TOL, ROOT, SEQ_LEN, VOCAB, ids_40, logits_and_loss,
+                              random_hf_model, random_model, saved_tensor_names, tiny_tokenizer,
+                              write_case)
 
 LLAMA3_LONG = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
@@ -190,6 +210,176 @@ def llama_more_case(name: str):
       json.dump(info, f, indent=2)
 
 
+# ---- Reward models: *ForSequenceClassification with one label ----------------------------------
+
+REWARD_PAD = 0  # the tiny tokenizer's <s>: never a row's last real token
+REWARD_LENGTHS = (SEQ_LEN, 29, 13)  # real tokens per row of the right-padded batch
+
+
+def padded_batch() -> tuple[np.ndarray, np.ndarray]:
+  """(input ids, attention mask) [3, 40]: rows of REWARD_LENGTHS real ids (>= 3, never the pad),
+  right-padded with REWARD_PAD."""
+  ids = np.random.default_rng(5).integers(3, VOCAB, (len(REWARD_LENGTHS), SEQ_LEN))
+  mask = (np.arange(SEQ_LEN)[None] < np.asarray(REWARD_LENGTHS)[:, None]).astype(np.int32)
+  return np.where(mask == 1, ids, REWARD_PAD).astype(np.int32), mask
+
+
+def reward_outputs(model, ids: np.ndarray, padded: np.ndarray, mask: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """(per-position scores [B, T]: the score head on every final hidden state, the forward's
+  pooled logits [B', 1] on the right-padded batch with its attention mask)."""
+  with torch.no_grad():
+    hidden = model.model(torch.tensor(ids, dtype=torch.long)).last_hidden_state
+    scores = model.score(hidden)[..., 0].float().numpy()
+    pooled = model(torch.tensor(padded, dtype=torch.long),
+                   attention_mask=torch.tensor(mask, dtype=torch.long)).logits.float().numpy()
+  return scores, pooled
+
+
+def score_changes(model, ids, padded, mask) -> dict:
+  """How far wiring changes move the scores and the pooled logits: a parity test at LOGIT_TOL
+  must see each (asserted above 100 x LOGIT_TOL)."""
+  scores, pooled = reward_outputs(model, ids, padded, mask)
+  last = np.asarray(REWARD_LENGTHS) - 1
+  # The pooled score at the last position (padding included) instead of the last real token.
+  padded_scores, _ = reward_outputs(model, padded, padded, mask)
+  out = {"pooled at the last position, not the last real token": float(
+      np.abs(padded_scores[:, -1] - pooled[:, 0]).max())}
+  assert np.allclose(padded_scores[np.arange(len(last)), last], pooled[:, 0], atol=1e-6)
+
+  def changed(change):
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+      change(m)
+    return float(np.abs(reward_outputs(m, ids, padded, mask)[0] - scores).max())
+
+  out["final norm weights ignored (all 1)"] = changed(lambda m: m.model.norm.weight.fill_(1.0))
+  out["score head read as the embedding's first row"] = changed(
+      lambda m: m.score.weight.copy_(m.model.embed_tokens.weight[:1]))
+  for what, value in out.items():
+    assert value > 100 * LOGIT_TOL, f"{what}: moves the scores by only {value:.3e}"
+  return out
+
+
+def reward_case(name: str, seed: int, model_cls, config, covers: str):
+  model = random_hf_model(seed, model_cls, config)
+  ids, (padded, mask) = ids_40(), padded_batch()
+  scores, pooled = reward_outputs(model, ids, padded, mask)
+  out = os.path.join(ROOT, name)
+  shutil.rmtree(out, ignore_errors=True)
+  model.save_pretrained(out, safe_serialization=True)
+  if os.path.exists(os.path.join(out, "generation_config.json")):
+    os.remove(os.path.join(out, "generation_config.json"))
+  tiny_tokenizer().save(os.path.join(out, "tokenizer.json"))
+  reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(
+      out, attn_implementation="eager").eval()
+  assert type(reloaded) is model_cls, type(reloaded)
+  again = reward_outputs(reloaded, ids, padded, mask)
+  assert np.array_equal(again[0], scores) and np.array_equal(again[1], pooled)
+  for file, array in (("input_ids", ids), ("scores", scores), ("padded_input_ids", padded),
+                      ("attention_mask", mask), ("pooled_logits", pooled)):
+    dtype = np.float32 if file in ("scores", "pooled_logits") else np.int32
+    np.save(os.path.join(out, f"{file}.npy"), array.astype(dtype))
+  info = {"seed": seed, "covers": covers, "transformers": transformers.__version__,
+          "torch": torch.__version__, "class": model_cls.__name__,
+          "num_labels": reloaded.config.num_labels, "pad_token_id": reloaded.config.pad_token_id,
+          "input_shape": list(ids.shape), "padded_lengths": list(REWARD_LENGTHS),
+          "scores_abs_max": float(np.abs(scores).max()),
+          "pooled_logits": pooled[:, 0].tolist(),
+          "tensors_outside_layers": [n for n in saved_tensor_names(out) if ".layers." not in n],
+          "wiring_sensitivity": score_changes(model, ids, padded, mask)}
+  with open(os.path.join(out, "fixture_info.json"), "w", encoding="utf-8") as f:
+    json.dump(info, f, indent=2)
+  size = sum(os.path.getsize(os.path.join(out, n)) for n in os.listdir(out))
+  print(f"{name}: {sorted(os.listdir(out))}, {size / 1024:.0f} KiB, scores up to "
+        f"{info['scores_abs_max']:.3f}, pooled {info['pooled_logits']}")
+
+
+REWARD_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                     num_labels=1, pad_token_id=REWARD_PAD, attn_implementation="eager")
+
+
+def llama_reward():
+  config = LlamaConfig(rms_norm_eps=1e-5, **REWARD_COMMON)
+  reward_case("hf_llama_reward", 30, LlamaForSequenceClassification, config,
+              "LlamaForSequenceClassification (num_labels 1), GQA 4/2, default RoPE: per-position "
+              "scores and pooled logits of a right-padded batch")
+
+
+def qwen3_reward():
+  config = Qwen3Config(rms_norm_eps=1e-6, head_dim=16, tie_word_embeddings=True,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                       **REWARD_COMMON)
+  reward_case("hf_qwen3_reward", 31, Qwen3ForSequenceClassification, config,
+              "Qwen3ForSequenceClassification (num_labels 1), GQA 4/2, head_dim 16, q/k norms, "
+              "tie_word_embeddings true: per-position scores and pooled logits of a right-padded "
+              "batch")
+
+
+REWARD_CASES = {"hf_llama_reward": llama_reward, "hf_qwen3_reward": qwen3_reward}
+
+
+def jaxtrain_scores(model, arrays: dict) -> tuple[np.ndarray, np.ndarray]:
+  """jaxtrain's (per-position scores, sequence rewards of the right-padded batch), float32 at the
+  highest matmul precision."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jaxtrain import reward  # pylint: disable=import-outside-toplevel
+  with jax.default_matmul_precision("highest"):
+    scores = model(jnp.asarray(arrays["input_ids"]))
+    rewards = reward.sequence_rewards(model, jnp.asarray(arrays["padded_input_ids"]),
+                                      jnp.asarray(arrays["attention_mask"]))
+  return np.asarray(scores), np.asarray(rewards)
+
+
+def check_reward_export(name: str) -> dict:
+  """jaxtrain imports reward fixture `name` and exports it in each rope spelling; transformers
+  loads each export with AutoModelForSequenceClassification (it must choose the fixture's class)
+  and must compute the fixture's per-position scores and pooled logits within LOGIT_TOL."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  from jaxtrain.interop import hf, hf_config  # pylint: disable=import-outside-toplevel
+  out = os.path.join(ROOT, name)
+  arrays = {f: np.load(os.path.join(out, f"{f}.npy")) for f in
+            ("input_ids", "scores", "padded_input_ids", "attention_mask", "pooled_logits")}
+  with open(os.path.join(out, "fixture_info.json"), encoding="utf-8") as f:
+    info = json.load(f)
+  model, config = hf.load_model(out)
+  ours = jaxtrain_scores(model, arrays)
+  checked = {}
+  for spelling in hf_config.ROPE_SPELLINGS:
+    with tempfile.TemporaryDirectory() as tmp:
+      hf.save_model(model, config, tmp, rope_spelling=spelling)
+      with open(os.path.join(tmp, "config.json"), encoding="utf-8") as f:
+        written = json.load(f)
+      loaded = transformers.AutoModelForSequenceClassification.from_pretrained(
+          tmp, dtype=torch.float32, attn_implementation="eager").eval()
+      scores, pooled = reward_outputs(loaded, arrays["input_ids"], arrays["padded_input_ids"],
+                                      arrays["attention_mask"])
+    assert type(loaded).__name__ == info["class"], type(loaded)
+    assert loaded.config.num_labels == 1 and loaded.config.pad_token_id == REWARD_PAD, (
+        loaded.config.num_labels, loaded.config.pad_token_id)
+    errors = {"max_abs_score_error": float(np.abs(scores - arrays["scores"]).max()),
+              "max_abs_pooled_error": float(np.abs(pooled - arrays["pooled_logits"]).max()),
+              # transformers on the export against jaxtrain's own scores and rewards
+              "max_abs_score_error_vs_jaxtrain": float(np.abs(scores - ours[0]).max()),
+              "max_abs_pooled_error_vs_jaxtrain": float(np.abs(pooled[:, 0] - ours[1]).max())}
+    for what, err in errors.items():
+      assert err <= LOGIT_TOL, f"{name}: export ({spelling}) {what} {err:.3e}"
+    checked[spelling] = {"class": type(loaded).__name__, **errors,
+                         "pad_token_id": written["pad_token_id"],
+                         "id2label": written["id2label"]}
+    print(f"{name}: transformers loads the export ({spelling}, {type(loaded).__name__}): max "
+          f"abs score error {errors['max_abs_score_error']:.3e}, pooled "
+          f"{errors['max_abs_pooled_error']:.3e} (against jaxtrain's: "
+          f"{errors['max_abs_score_error_vs_jaxtrain']:.3e}, "
+          f"{errors['max_abs_pooled_error_vs_jaxtrain']:.3e})")
+  info["export_check"] = checked
+  with open(os.path.join(out, "fixture_info.json"), "w", encoding="utf-8") as f:
+    json.dump(info, f, indent=2)
+  return checked
+
+
 # ---- Qwen2, Qwen3, Mistral, Gemma 3: eager attention, checked reloads, wiring sensitivity ----
 
 # A deliberate wiring change must move the logits by at least this (a parity test at LOGIT_TOL
@@ -223,6 +413,7 @@ CASES: dict[str, Callable[[], None]] = {
     "hf_deepseek_v3_yarn": lambda: deepseek.deepseek_v3_case("hf_deepseek_v3_yarn", 24,
                                                              yarn=True),
     "hf_deepseek_v3_mtp": lambda: deepseek.deepseek_v3_mtp_case("hf_deepseek_v3_mtp", 25),
+    **REWARD_CASES,
 }
 
 
@@ -264,9 +455,10 @@ def main():
                       help="generate only the cases whose name starts with PREFIX (repeatable; "
                            "default: every case). Cases: " + ", ".join(CASES))
   parser.add_argument("--check_exports", action="store_true",
-                      help="instead of generating: export each chosen non-Llama fixture with "
-                           "jaxtrain and check that transformers loads it and computes its "
-                           "logits (recorded in fixture_info.json)")
+                      help="instead of generating: export each chosen non-Llama fixture (and "
+                           "each reward fixture) with jaxtrain and check that transformers "
+                           "loads it and computes its logits, or scores (recorded in "
+                           "fixture_info.json)")
   args = parser.parse_args()
   names = [n for n in CASES if not args.only or any(n.startswith(p) for p in args.only)]
   if not names:
@@ -275,6 +467,8 @@ def main():
   for name in names:
     if not args.check_exports:
       CASES[name]()
+    elif name in REWARD_CASES:
+      check_reward_export(name)
     elif not name.startswith("hf_llama"):  # the Llama export is checked by round_trip
       check_export(name)
 

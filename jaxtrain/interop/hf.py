@@ -9,6 +9,15 @@ config.json's `model_type` picks the family (llama, qwen3, qwen2, mistral, gemma
 language model of a multimodal gemma3 checkpoint, whose vision tower is left out) and sets
 `model.family`; export writes the family's *ForCausalLM.
 
+A reward model is a *ForSequenceClassification with one label (`architectures`): its score head
+`score.weight` [1, D] imports as `score_D1` [D, 1] (`model.score_head`), the model's call gives
+scores [B, T], and export writes the family's *ForSequenceClassification back (hf_config.py,
+hf_export_config.py: num_labels, pad_token_id).
+
+    model, config = load_model("reward-model/")        # LlamaForSequenceClassification
+    scores_BT = model(input_ids_BT)                      # float32 [B, T]
+    rewards_B = jaxtrain.reward.sequence_rewards(model, input_ids_BT, attention_mask_BT)
+
     python -m jaxtrain.interop.hf import --hf_dir=DIR --out=WEIGHTS_DIR [--dtype=bfloat16]
     python -m jaxtrain.interop.hf export --checkpoint=RUN_OR_WEIGHTS_DIR [--config=CONFIG.py]
         --out=HF_DIR
@@ -183,9 +192,18 @@ def load_model(path: str, *, mesh: Mesh | None = None, dtype: str | None = None,
     The sharded model, whose call returns float32 logits [B, T, V], and the full jaxtrain
     config (default_config() with model.* from config.json) to train it with.
 
+    A reward model's checkpoint (config.json `architectures` a *ForSequenceClassification, one
+    label: id2label, else num_labels) imports with its score head: `score.weight` [1, D] becomes
+    `score_D1` [D, 1], config.model.score_head is True (with train.objective="reward" and
+    data.format="preference"), and the model's call returns float32 scores [B, T]; a sequence's
+    reward is its last real token's (`jaxtrain.reward.sequence_rewards`), which is what
+    transformers' *ForSequenceClassification pools on right-padded rows whose last real token is
+    not its pad_token_id. Other label counts are refused.
+
   Raises:
-    HFFormatError (a ConfigError): missing or pickle weights, unsupported config fields,
-      tensors missing or of the wrong shape; the message names the field or tensor.
+    HFFormatError (a ConfigError): missing or pickle weights, unsupported config fields (a
+      classifier with num_labels != 1 among them), tensors missing or of the wrong shape; the
+      message names the field or tensor.
   """
   path = os.path.abspath(path)
   config = hf_config.to_jaxtrain_config(hf_config.read_hf_config(path), path,
@@ -198,6 +216,11 @@ def prediction_modules(path: str, config, wanted: int | None = None) -> int:
   """`model.mtp_depth` for an import of `path`: the multi-token-prediction layers it holds (0
   for a family without them), or `wanted` of them; more than it holds is an HFFormatError."""
   cfg = ModelConfig.from_config(config)
+  if cfg.arch.score_head:  # transformers' *ForSequenceClassification has none
+    if wanted:
+      raise HFFormatError(f"mtp_depth={wanted}: a *ForSequenceClassification checkpoint has no "
+                          f"multi-token-prediction layers")
+    return 0
   if not registry.get(cfg.arch.family).multi_token_prediction:
     if wanted:
       raise HFFormatError(f"mtp_depth={wanted}: {cfg.arch.family} checkpoints have no "
@@ -299,8 +322,9 @@ def _pending_tensors(params: dict, cfg: ModelConfig,
       out += [pending(rule, i, j, ("mtp", k) + rule.ours) for j in each_expert(rule)]
     out += [pending(rule, i, path=rule.ours) for rule in hf_weights.prediction_module_copies(cfg)]
   out.append(pending(top["model.norm.weight"]))
-  if "lm_head.weight" in top:
-    out.append(pending(top["lm_head.weight"]))
+  for head in ("lm_head.weight", hf_weights.SCORE_NAME):  # at most one of them
+    if head in top:
+      out.append(pending(top[head]))
   return out
 
 
@@ -342,7 +366,10 @@ def save_model(model: Decoder, config, path: str, *, dtype: str | None = None,
                max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                rope_spelling: str = "rope_parameters", overwrite: bool = False) -> list[str]:
   """Writes a directory transformers loads as the family's *ForCausalLM (LlamaForCausalLM,
-  Qwen3ForCausalLM, ..., Gemma3ForCausalLM); returns the files written.
+  Qwen3ForCausalLM, ..., Gemma3ForCausalLM); returns the files written. A reward model (a score
+  head) is written as the family's *ForSequenceClassification: `score.weight` [1, D], one label,
+  and pad_token_id the tokenizer's pad token (other than its EOS), else its BOS
+  (hf_export_config.score_pad_id: transformers pools the rightmost token that is not the pad).
 
   Args:
     model: a (sharded) jaxtrain Decoder; gathered one tensor of one layer at a time.
@@ -367,10 +394,10 @@ def save_model(model: Decoder, config, path: str, *, dtype: str | None = None,
   dtype = dtype or str(np.dtype(params["embed_VD"].dtype))
   tok_files, tok = _tokenizer_files(config)
   # Ids the model cannot embed (the byte tokenizer's 256/257 beside a small vocab) are left out.
-  bos, eos = (i if i is not None and i < cfg.arch.vocab_size else None
-              for i in (tok.bos_id, tok.eos_id))
+  bos, eos, pad = (i if i is not None and i < cfg.arch.vocab_size else None
+                   for i in (tok.bos_id, tok.eos_id, getattr(tok, "pad_id", None)))
   hf = hf_export_config.from_jaxtrain_config(config, dtype=dtype, bos_id=bos, eos_id=eos,
-                                      rope_spelling=rope_spelling)
+                                             pad_id=pad, rope_spelling=rope_spelling)
   writer = jax.process_index() == 0
   if writer:
     _prepare_dir(path, overwrite)

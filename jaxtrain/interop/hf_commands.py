@@ -60,6 +60,8 @@ def _config_py(overrides: dict[str, Any], source: str, stored_dtype: str) -> str
     lines.append('  c.data.tokenizer = "hf:" + os.path.join(HERE, "tokenizer.json")')
   body = "\n".join(lines)
   family = overrides.get("model.family", "llama")
+  if overrides.get("model.score_head"):
+    family += " reward-model"  # a *ForSequenceClassification: score head, reward objective
   return f'''"""jaxtrain config for the {family} weights in this directory.
 
 Written by `python -m jaxtrain.interop.hf import` from

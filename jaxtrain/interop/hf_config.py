@@ -27,6 +27,12 @@ Which layers attend within a sliding window is spelled per config class: Mistral
 Defaults for absent optional fields are transformers' config class defaults (the family's
 `hf_defaults`), so a sparse file means here what it means there. The other direction, writing a
 config.json for export, is hf_export_config.py.
+
+A reward model is a `<Family>ForSequenceClassification` checkpoint (config.json `architectures`)
+with one label: it imports with `model.score_head=True` (its `score.weight` [1, D] is our
+`score_D1`), `train.objective="reward"` and `data.format="preference"`. Its number of labels is
+transformers' reading of the file: the length of `id2label`, else `num_labels`, else 2; any other
+than 1 is refused.
 """
 
 from __future__ import annotations
@@ -191,6 +197,45 @@ def _sliding(hf: dict, family: Family, defaults: dict, num_layers: int
 
 # --- import -----------------------------------------------------------------------------------
 
+SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
+
+
+def is_sequence_classifier(hf: dict) -> bool:
+  """Whether config.json's `architectures` names a *ForSequenceClassification (a reward model's
+  checkpoint: a score head `score.weight` in place of `lm_head.weight`)."""
+  architectures = hf.get("architectures") or []
+  if isinstance(architectures, str):
+    architectures = [architectures]
+  return any(isinstance(a, str) and a.endswith(SEQUENCE_CLASSIFICATION) for a in architectures)
+
+
+def num_labels(hf: dict) -> tuple[int, str]:
+  """(the number of labels, the field it comes from) as transformers reads config.json: the length
+  of `id2label` when given (what save_pretrained writes), else `num_labels`, else its default 2."""
+  labels = hf.get("id2label")
+  if isinstance(labels, dict):
+    return len(labels), f"id2label ({len(labels)} labels)"
+  value = hf.get("num_labels")
+  if value is None:
+    return 2, "num_labels (absent, with no id2label: transformers' default 2)"
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise HFFormatError(f"config.json num_labels={value!r}: expected an integer (1 for a reward "
+                        f"model)")
+  return value, f"num_labels={value}"
+
+
+def _check_score_head(hf: dict) -> bool:
+  """Whether the checkpoint is a reward model (a score head); refuses a classifier of more than
+  one label, which has no reward-model reading here."""
+  if not is_sequence_classifier(hf):
+    return False
+  labels, where = num_labels(hf)
+  if labels != 1:
+    raise HFFormatError(f"config.json {where}: unsupported; jaxtrain imports a "
+                        f"*ForSequenceClassification as a reward model, whose score head has "
+                        f"num_labels=1 (one score per sequence)")
+  return True
+
 
 def _check_supported(hf: dict, family: Family, defaults: dict) -> None:
   """Refuses the fields that change the forward pass and that jaxtrain does not implement."""
@@ -242,6 +287,7 @@ def model_overrides(hf: dict) -> dict[str, Any]:
   Raises HFFormatError naming the field and value for anything our decoder cannot reproduce.
   """
   family = family_of(hf)
+  score_head = _check_score_head(hf)  # architectures and id2label sit at the top level
   hf = text_config(hf)
   defaults = defaults_of(family)
   _check_supported(hf, family, defaults)
@@ -297,6 +343,8 @@ def model_overrides(hf: dict) -> dict[str, Any]:
       "model.local_rope_theta": local_theta,
       "model.query_pre_attn_scalar": query_scalar,
   }
+  if score_head:  # a reward model: score.weight in place of the vocabulary head
+    out["model.score_head"] = True
   out.update(latent)
   out.update(_moe_overrides(hf, family, defaults, num_layers))
   for key, value in (scaling or {}).items():
@@ -374,10 +422,14 @@ def tokenizer_path(directory: str) -> str | None:
 
 def overrides_for(hf: dict, directory: str, param_dtype: str) -> dict[str, Any]:
   """Every config key an imported model sets: model.*, the param dtype, a train.seq_len the
-  model's positions allow, and data.tokenizer when the directory ships a tokenizer.json."""
+  model's positions allow, and data.tokenizer when the directory ships a tokenizer.json. A
+  reward model (model.score_head) also sets the objective that trains it and its data format."""
   if param_dtype not in DTYPES:
     raise HFFormatError(f"dtype={param_dtype!r}: choose one of {', '.join(DTYPES)}")
   out = model_overrides(hf)
+  if out.get("model.score_head"):
+    out["train.objective"] = "reward"
+    out["data.format"] = "preference"
   out["model.param_dtype"] = param_dtype
   seq_len = default_config().train.seq_len
   if out["model.max_position_embeddings"] < seq_len:

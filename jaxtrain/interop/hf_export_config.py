@@ -1,5 +1,6 @@
 """jaxtrain config -> Hugging Face `config.json`: what transformers loads as the family's
-*ForCausalLM (the reading direction, and what both share, is in hf_config.py).
+*ForCausalLM, or for a reward model (a score head) its *ForSequenceClassification (the reading
+direction, and what both share, is in hf_config.py).
 
 It writes the transformers >= 5 spelling by default (what `save_pretrained` writes today) or the
 older one on request (`rope_spelling="rope_scaling"`), for readers older than transformers 5,
@@ -60,6 +61,41 @@ def _check_expressible(m, family: Family, sliding: list[bool]) -> None:
                         f"sliding_window to every layer; export needs every layer alike")
 
 
+# The *ForSequenceClassification of an export model_type whose name is not the *ForCausalLM's
+# with the suffix replaced (Gemma3ForSequenceClassification is the multimodal model's).
+SEQUENCE_CLASSIFIERS = {"gemma3_text": "Gemma3TextForSequenceClassification"}
+
+
+def sequence_classifier(family: Family) -> str:
+  """The transformers class a reward model of `family` exports as."""
+  return SEQUENCE_CLASSIFIERS.get(
+      family.hf_model_types[0], family.hf_architecture.removesuffix("ForCausalLM")
+      + "ForSequenceClassification")
+
+
+def score_pad_id(pad_id: int | None, bos_id: int | None, eos_id: int | None) -> int | None:
+  """A reward model's `pad_token_id`. transformers' *ForSequenceClassification scores the
+  rightmost token that is not pad_token_id (and refuses batches of several rows without one);
+  jaxtrain scores the last token its attention mask keeps, which ends a response with EOS in the
+  preference data. They agree on right-padded rows whose last real token is never the pad id: the
+  tokenizer's own pad token when it has one other than EOS, else BOS (never a last token); None
+  when the tokenizer has neither (one row at a time in transformers)."""
+  if pad_id is not None and pad_id != eos_id:
+    return pad_id
+  return bos_id
+
+
+def _score_head_fields(m, pad_id: int | None) -> dict[str, Any]:
+  """What a *ForSequenceClassification's config.json adds: one label (transformers 5 reads the
+  count from id2label, older readers from num_labels) and the padding token that pools a row."""
+  if int(m.mtp_depth):
+    raise HFFormatError(f"model.mtp_depth={m.mtp_depth} with a score head: "
+                        f"*ForSequenceClassification has no multi-token-prediction layers; "
+                        f"export needs model.mtp_depth=0")
+  return {"num_labels": 1, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
+          "pad_token_id": pad_id}
+
+
 def _export_window(m, family: Family, sliding: list[bool]) -> dict[str, Any]:
   """The sliding-window fields of the family's config class."""
   scheme = family.hf_window
@@ -114,11 +150,14 @@ def _export_moe(config, family: Family) -> dict[str, Any]:
 
 
 def from_jaxtrain_config(config, *, dtype: str, bos_id: int | None = None,
-                         eos_id: int | None = None,
+                         eos_id: int | None = None, pad_id: int | None = None,
                          rope_spelling: str = "rope_parameters") -> dict[str, Any]:
-  """A config.json (as a dict) that transformers loads as the family's *ForCausalLM."""
+  """A config.json (as a dict) that transformers loads as the family's *ForCausalLM, or for a
+  reward model its *ForSequenceClassification with one label and pad_token_id `score_pad_id`
+  of the tokenizer's ids (`pad_id`: its pad token's, None when it has none)."""
   m = config.model
   family = registry.get(m.family)
+  score_head = architecture_of(config).score_head
   if dtype not in DTYPES:
     raise HFFormatError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)}")
   if rope_spelling not in ROPE_SPELLINGS:
@@ -133,7 +172,7 @@ def from_jaxtrain_config(config, *, dtype: str, bos_id: int | None = None,
   _check_expressible(m, family, sliding)
   act_key = "hidden_activation" if "hidden_activation" in defaults else "hidden_act"
   hf = {
-      "architectures": [family.hf_architecture],
+      "architectures": [sequence_classifier(family) if score_head else family.hf_architecture],
       "model_type": family.hf_model_types[0],
       "vocab_size": int(m.vocab_size),
       "hidden_size": int(m.d_model),
@@ -157,6 +196,8 @@ def from_jaxtrain_config(config, *, dtype: str, bos_id: int | None = None,
   if "query_pre_attn_scalar" in defaults:
     scalar = float(m.query_pre_attn_scalar or m.head_dim)
     hf["query_pre_attn_scalar"] = int(scalar) if scalar.is_integer() else scalar
+  if score_head:
+    hf.update(_score_head_fields(m, score_pad_id(pad_id, bos_id, eos_id)))
   hf.update(_export_window(m, family, sliding))
   hf.update(_export_moe(config, family))
   if int(m.kv_lora_rank):  # latent attention: the checkpoint's head_dim is the RoPE part

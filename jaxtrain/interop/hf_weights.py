@@ -8,8 +8,9 @@ post_attention_layernorm then normalizes the attention's output, and pre_feedfor
 is the norm before the MLP). Norm weights are copied as stored: a (1 + w) norm keeps its w.
 
 Layouts are written in the shape-letter legend (V vocab, D model, H query heads, K kv heads,
-E head dim, F mlp, X experts, M an expert's hidden size). A Hugging Face layout lists the tensor's dims separated by commas, each a run
-of letters merged row-major: q_proj.weight is "HE,D", i.e. [H*E, D] with row h*E + e. Our layout
+E head dim, F mlp, X experts, M an expert's hidden size, and 1 for a reward model's one score).
+A Hugging Face layout lists the tensor's dims separated by commas, each a run of letters merged
+row-major: q_proj.weight is "HE,D", i.e. [H*E, D] with row h*E + e. Our layout
 is the letters of our parameter's dims in order ("DHE" for wq_DHE). Converting is a reshape and a
 transpose and nothing else: our rotary embedding rotates pairs (i, i + E/2) exactly as
 transformers' `rotate_half` does, so q/k rows need no permutation (the parity tests check it).
@@ -61,11 +62,15 @@ class TensorRule:
     return "{j}" in self.hf_name
 
 
+SCORE_NAME = "score.weight"
 # Outside the layers, every family. Linear weights are [out, in] in transformers, [in, out] here.
 TOP_RULES = (
     TensorRule("model.embed_tokens.weight", ("embed_VD",), "V,D", "VD"),
     TensorRule("model.norm.weight", ("final_norm", "scale"), "D", "D"),
     TensorRule("lm_head.weight", ("head_DV",), "V,D", "DV"),  # absent when tied
+    # A reward model's score head in place of lm_head (*ForSequenceClassification, num_labels 1;
+    # the size letter "1" is its one output).
+    TensorRule(SCORE_NAME, ("score_D1",), "1,D", "D1"),
 )
 
 
@@ -163,8 +168,11 @@ class Naming:
   others: tuple[str, ...] = ()
 
   def stored(self, name: str) -> str:
-    """The name in the file of a rule's tensor name."""
-    return self.head if name == "lm_head.weight" else self.body + name.removeprefix("model.")
+    """The name in the file of a rule's tensor name (a *ForSequenceClassification's score.weight,
+    outside the decoder, as it is)."""
+    if name == "lm_head.weight":
+      return self.head
+    return self.body + name.removeprefix("model.") if name.startswith("model.") else name
 
 
 # Tensors of a multimodal checkpoint outside its language model (Gemma 3's SigLIP tower and its
@@ -192,7 +200,8 @@ def sizes_of(cfg) -> dict[str, int]:
   """Shape-letter sizes of a ModelConfig."""
   a = cfg.arch
   p = a.qk_rope_head_dim
-  return {"V": a.vocab_size, "D": a.d_model, "C": 2 * a.d_model, "H": a.num_heads, "K": a.num_kv_heads,
+  return {"V": a.vocab_size, "D": a.d_model, "C": 2 * a.d_model, "H": a.num_heads,
+          "K": a.num_kv_heads, "1": 1,  # a reward model's one score (score.weight [1, D])
           "E": a.head_dim, "F": a.mlp_dim, "X": a.num_experts, "M": a.expert_dim,
           "S": a.num_shared_experts * a.expert_dim,
           # Latent attention (models/mla.py).
@@ -228,8 +237,12 @@ def tensor_names(rule: TensorRule, layer: int | None, num_experts: int) -> list[
 
 
 def top_rules(cfg) -> tuple[TensorRule, ...]:
-  """The tensors outside the layers (no output head when the embeddings are tied)."""
-  return tuple(r for r in TOP_RULES if not (cfg.arch.tie_embeddings and r.ours == ("head_DV",)))
+  """The tensors outside the layers: the output head (none when the embeddings are tied), or a
+  reward model's score head in its place."""
+  score = cfg.arch.score_head
+  return tuple(r for r in TOP_RULES
+               if not (r.ours == ("head_DV",) and (score or cfg.arch.tie_embeddings))
+               and not (r.ours == ("score_D1",) and not score))
 
 
 def _block_rules(cfg, moe: bool) -> tuple[TensorRule, ...]:
@@ -446,8 +459,15 @@ def check_tensors(reader: SafetensorsReader, cfg, declared_modules: int = 0) -> 
                    for rule in prediction_module_copies(cfg)})
   missing = sorted(set(expected) - names)
   if missing:
-    hint = (" (config.json says tie_word_embeddings=false; the file has no output head)"
-            if missing == [naming.head] else "")
+    hint = ""
+    if missing == [naming.head] and SCORE_NAME in names:
+      hint = (f" (the file holds {SCORE_NAME}: a *ForSequenceClassification's score head; "
+              f"config.json architectures should name one)")
+    elif missing == [naming.head]:
+      hint = " (config.json says tie_word_embeddings=false; the file has no output head)"
+    elif missing == [SCORE_NAME]:
+      hint = (" (config.json architectures names a *ForSequenceClassification; the file has no "
+              "score head)")
     raise HFFormatError(f"{reader.directory}: tensors missing from the safetensors: "
                         f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}{hint}")
   tolerated = set(copies) | ({naming.head} if a.tie_embeddings else set())
@@ -457,9 +477,11 @@ def check_tensors(reader: SafetensorsReader, cfg, declared_modules: int = 0) -> 
                       if not n.endswith(IGNORED_SUFFIXES) and not n.startswith(naming.others)
                       and not (skipped and n.startswith(skipped)))
   if unexpected:
+    what = ("architectures (a score head is a *ForSequenceClassification's)"
+            if SCORE_NAME in unexpected else "model_type, biases, layer count")
     raise HFFormatError(f"{reader.directory}: tensors this {a.family} config has no place "
                         f"for: {', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}"
-                        f"; check config.json (model_type, biases, layer count)")
+                        f"; check config.json ({what})")
   for name, shape in list(expected.items()) + [(n, s) for n, s in copies.items() if n in names]:
     got = reader.shape(name)
     if got != shape:
