@@ -7,6 +7,10 @@ position's worth of compute against the cache (decode). The whole loop is one ji
 `lax.fori_loop`. Greedy decoding at temperature 0; otherwise temperature and nucleus (top-p)
 sampling with an explicit seed, so a run is reproducible.
 
+A model's vocabulary is often padded past its tokenizer's (for sharding):
+`SamplingConfig.vocab_size` (the tokenizer's, `Tokenizer.vocab_size`) keeps the draws to the ids
+the tokenizer can decode.
+
 Batched prompts are right-padded: row b's prompt has `lengths[b]` tokens and its generated
 tokens are written from there on, so rows of different lengths decode side by side. Keys past a
 row's current position are masked, so padding never leaks into attention.
@@ -36,6 +40,9 @@ class SamplingConfig:
   temperature: float = 0.0  # 0: greedy
   top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
   eos_id: int | None = None  # rows stop (and are padded with it) after emitting it
+  # Ids >= vocab_size are never drawn (their logits are -inf): the tokenizer's real vocabulary
+  # when the model's is padded past it. None: every id of the model.
+  vocab_size: int | None = None
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -44,11 +51,16 @@ class SamplingConfig:
       raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+    if self.vocab_size is not None and self.vocab_size < 1:
+      raise ValueError(f"vocab_size={self.vocab_size}: must be >= 1 (or None: every id)")
 
 
-def sample_token(logits_BV, key, temperature: float, top_p: float) -> jax.Array:
+def sample_token(logits_BV, key, temperature: float, top_p: float,
+                 vocab_size: int | None = None) -> jax.Array:
   """[B] int32: argmax at temperature 0, else a draw from the tempered, top-p-truncated
-  softmax (the smallest set of most likely tokens whose probability reaches top_p)."""
+  softmax (the smallest set of most likely tokens whose probability reaches top_p). Ids >=
+  `vocab_size` (when given) are never chosen."""
+  logits_BV = mask_vocab(logits_BV, vocab_size)
   if temperature == 0.0:
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   logits_BV = logits_BV / temperature
@@ -63,6 +75,14 @@ def sample_token(logits_BV, key, temperature: float, top_p: float) -> jax.Array:
   return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
 
 
+def mask_vocab(logits_BV, vocab_size: int | None):
+  """The logits with ids >= `vocab_size` at -inf (unchanged when None or >= the model's)."""
+  v = logits_BV.shape[-1]
+  if vocab_size is None or vocab_size >= v:
+    return logits_BV
+  return jnp.where(jnp.arange(v) < vocab_size, logits_BV, -jnp.inf)
+
+
 @functools.partial(nnx.jit, static_argnames=("sampling",))
 def generate_tokens(model: Decoder, prompt_BP, lengths_B, key, sampling: SamplingConfig):
   """[B, max_new_tokens] int32 continuations of right-padded prompts (row b: first lengths_B[b]
@@ -70,15 +90,24 @@ def generate_tokens(model: Decoder, prompt_BP, lengths_B, key, sampling: Samplin
   return sample_continuations(model, prompt_BP, lengths_B, key, sampling)
 
 
-def sample_continuations(model: Decoder, prompt_BP, lengths_B, key, sampling: SamplingConfig):
+def sample_continuations(model: Decoder, prompt_BP, lengths_B, key, sampling: SamplingConfig,
+                         *, with_logprobs: bool = False):
   """`generate_tokens` without its jit, for callers that trace it inside their own (the GRPO
-  rollouts, which merge the model from the live sharded params)."""
+  rollouts, which merge the model from the live sharded params).
+
+  `with_logprobs`: returns (tokens [B, N], log-probs [B, N] float32), each generated token's
+  log-probability under the model's own distribution: log_softmax of its logits at temperature
+  1 over all the model's ids, before temperature, top-p or the vocabulary mask shape the draw.
+  That is what a trainer computes for the same token from the same weights (its
+  `token_logprobs`), so the two can be compared (GRPO's `logprob_mismatch`). 0 after a row's
+  EOS."""
   b, p = prompt_BP.shape
   n = sampling.max_new_tokens
   cache = model.empty_cache(b, p + n)
   logits_BPV, cache = model.forward_with_cache(prompt_BP, jnp.zeros((b,), jnp.int32), cache)
   last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
   out_BN = jnp.zeros((b, n), jnp.int32)
+  logprobs_BN = jnp.zeros((b, n), jnp.float32)
   done_B = jnp.zeros((b,), bool)
   eos = -1 if sampling.eos_id is None else sampling.eos_id
   # NNX transforms (the layer scan) refuse variables traced at an outer level: the model's
@@ -86,19 +115,24 @@ def sample_continuations(model: Decoder, prompt_BP, lengths_B, key, sampling: Sa
   graphdef, state = nnx.split(model)
 
   def body(i, carry):
-    state, cache, last_BV, out_BN, done_B, key = carry
+    state, cache, last_BV, out_BN, logprobs_BN, done_B, key = carry
     key, draw = jax.random.split(key)
-    token_B = sample_token(last_BV, draw, sampling.temperature, sampling.top_p)
+    token_B = sample_token(last_BV, draw, sampling.temperature, sampling.top_p,
+                           sampling.vocab_size)
     token_B = jnp.where(done_B, eos, token_B)
     out_BN = out_BN.at[:, i].set(token_B)
+    if with_logprobs:
+      all_BV = jax.nn.log_softmax(last_BV.astype(jnp.float32), axis=-1)
+      logprob_B = jnp.take_along_axis(all_BV, token_B[:, None], axis=-1)[:, 0]
+      logprobs_BN = logprobs_BN.at[:, i].set(jnp.where(done_B, 0.0, logprob_B))
     done_B = done_B | (token_B == eos)
     logits_B1V, cache = nnx.merge(graphdef, state).forward_with_cache(token_B[:, None],
                                                                       lengths_B + i, cache)
-    return state, cache, logits_B1V[:, 0], out_BN, done_B, key
+    return state, cache, logits_B1V[:, 0], out_BN, logprobs_BN, done_B, key
 
-  carry = (state, cache, last_BV, out_BN, done_B, key)
-  out_BN = jax.lax.fori_loop(0, n, body, carry)[3]
-  return out_BN
+  carry = (state, cache, last_BV, out_BN, logprobs_BN, done_B, key)
+  carry = jax.lax.fori_loop(0, n, body, carry)
+  return (carry[3], carry[4]) if with_logprobs else carry[3]
 
 
 def generate(model: Decoder, prompts: list[np.ndarray], sampling: SamplingConfig,

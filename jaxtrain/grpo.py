@@ -15,9 +15,17 @@ from jaxtrain.cross_entropy import token_cross_entropy
 
 # The training batch built from a batch of rollouts (jaxtrain.rollouts): the language-model keys
 # ([B, T]; loss_mask 1 on completion targets) and each completion's advantage [B]; with
-# grpo.num_iterations > 1 also the sampling policy's per-token log-probs [B, T].
+# grpo.num_iterations > 1 also the sampling policy's per-token log-probs [B, T] as the trainer
+# computes them (OLD_LOGPROBS, right after sampling).
 TOKEN_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 OLD_LOGPROBS = "old_logprobs"
+# The sampler's own log-prob of each generated token [B, T], recorded in the decode loop
+# (jaxtrain.generate.sample_continuations, with_logprobs) and aligned like OLD_LOGPROBS by
+# jaxtrain.rollouts.training_rows: position t holds log p(targets[t]), NaN where no token was
+# sampled (prompt, padding, a warm-up's reference completion). Any objective trained on sampled
+# rollouts (GRPO; PPO later) carries it and reports LOGPROB_MISMATCH.
+SAMPLER_LOGPROBS = "sampler_logprobs"
+LOGPROB_MISMATCH = "logprob_mismatch"
 
 # Metrics grpo_sums returns as sums over sequences (divided by the count like the loss).
 METRIC_NAMES = ("kl", "clip_fraction")
@@ -73,6 +81,20 @@ def grpo_sums(logprobs_BT, old_logprobs_BT, ref_logprobs_BT, advantages_B, mask_
   metrics = {"kl": _sequence_means(kl_BT, mask_BT).sum(),
              "clip_fraction": _sequence_means(clip_BT, mask_BT).sum()}
   return _sequence_means(loss_BT, mask_BT).sum(), count, metrics
+
+
+def logprob_mismatch(trainer_logprobs_BT, sampler_logprobs_BT, mask_BT) -> jax.Array:
+  """max |trainer - sampler| over the tokens of `mask_BT` that were sampled (their sampler
+  log-prob is not NaN): how far the log-probs the sampler drew with are from the ones the
+  trainer computes for the same tokens and weights (a different program: cached decode vs the
+  training forward, possibly other kernels and precisions). -inf when no token counts (a
+  warm-up batch). A max, not a sum: the train step reduces it by max over microbatches
+  (train_step.MAX_METRICS), and over devices as a max over the global batch. No gradient."""
+  trainer_BT = jax.lax.stop_gradient(trainer_logprobs_BT.astype(jnp.float32))
+  sampler_BT = sampler_logprobs_BT.astype(jnp.float32)
+  counts_BT = (mask_BT > 0) & ~jnp.isnan(sampler_BT)
+  diff_BT = jnp.abs(trainer_BT - jnp.where(counts_BT, sampler_BT, 0.0))
+  return jnp.max(jnp.where(counts_BT, diff_BT, -jnp.inf))
 
 
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, epsilon: float = 0.2,

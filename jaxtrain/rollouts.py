@@ -4,13 +4,16 @@ Each batch of rollouts: the step's prompts (train.global_batch_size of them) are
 grpo.num_generations times, completed by one jitted prefill-and-decode (`generate`'s, over the
 run's mesh, reading the sharded params in place), decoded to text and scored by the reward
 functions; the group-relative advantages and the [B, T] rows of prompt + completion (loss on
-the completion tokens) are the train step's batch for grpo.num_iterations steps.
+the completion tokens), with the sampler's log-prob of every completion token, are the train
+step's batch for grpo.num_iterations steps. Draws are limited to the tokenizer's vocabulary
+(the model's may be padded past it).
 
 Sampling keys are fold_in(key(train.seed), step), so a resumed run draws the same completions as
 an uninterrupted one. Rows of one prompt stay on the process that read it (the repeat happens
-on the host), so each process scores its own rows. Everything a reward function returns is
-checked (jaxtrain.rewards.score); grpo.on_reward_error says whether a failure stops the run or
-skips that batch of rollouts.
+on the host), so each process scores its own rows; the logged reward and length statistics
+are the whole global batch's (gathered from every process). Everything a reward function returns
+is checked (jaxtrain.rewards.score); grpo.on_reward_error says whether a failure stops the run or
+skips that batch of rollouts, on every process alike (a failure on one is a failure on all).
 """
 
 from __future__ import annotations
@@ -56,14 +59,22 @@ def completion_lengths(tokens_BN: np.ndarray, eos_id: int | None) -> np.ndarray:
 
 
 def training_rows(prompt_BP: np.ndarray, prompt_len_B: np.ndarray, tokens_BN: np.ndarray,
-                  completion_len_B: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+                  completion_len_B: np.ndarray, seq_len: int,
+                  sampler_logprobs_BN: np.ndarray | None = None) -> dict[str, np.ndarray]:
   """The language-model rows of prompt + completion, [B, seq_len] each: position t predicts
-  token t+1, and the loss mask marks the targets that are completion tokens."""
+  token t+1, and the loss mask marks the targets that are completion tokens.
+
+  With `sampler_logprobs_BN` (generate.sample_continuations' with_logprobs), also
+  grpo_lib.SAMPLER_LOGPROBS: the sampler's log-prob of each completion token at the position
+  that predicts it, like the trainer's per-token log-probs; NaN elsewhere (`no_sampler_logprobs`
+  for rows whose completions were not sampled)."""
   b = prompt_BP.shape[0]
   rows = {"inputs": np.zeros((b, seq_len), np.int32), "targets": np.zeros((b, seq_len), np.int32),
           "loss_mask": np.zeros((b, seq_len), np.float32),
           "segment_ids": np.zeros((b, seq_len), np.int32),
           "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (b, seq_len)).copy()}
+  if sampler_logprobs_BN is not None:
+    rows.update(no_sampler_logprobs(b, seq_len))
   for i in range(b):
     p, c = int(prompt_len_B[i]), int(completion_len_B[i])
     z = np.concatenate([prompt_BP[i, :p], tokens_BN[i, :c]])
@@ -72,7 +83,35 @@ def training_rows(prompt_BP: np.ndarray, prompt_len_B: np.ndarray, tokens_BN: np
     rows["targets"][i, :m] = z[1:]
     rows["segment_ids"][i, :m] = 1
     rows["loss_mask"][i, p - 1:m] = 1.0  # targets p .. p+c-1: the completion
+    if sampler_logprobs_BN is not None:
+      rows[grpo_lib.SAMPLER_LOGPROBS][i, p - 1:m] = sampler_logprobs_BN[i, :c]
   return rows
+
+
+def no_sampler_logprobs(b: int, seq_len: int) -> dict[str, np.ndarray]:
+  """{grpo_lib.SAMPLER_LOGPROBS: NaN [b, seq_len]}: rows without a sampled token (a supervised
+  warm-up's), which logprob_mismatch leaves out."""
+  return {grpo_lib.SAMPLER_LOGPROBS: np.full((b, seq_len), np.nan, np.float32)}
+
+
+def gather_rows(arrays: dict[str, np.ndarray], mesh) -> dict[str, np.ndarray]:
+  """{name: [B_global]} on every process from each process's {name: [B_local]} (its rows of a
+  global batch, as it fed them), in the global batch's row order, values exact (they travel as
+  their bits, so float64 rewards stay float64). One process: the arrays as they are."""
+  if jax.process_count() == 1:
+    return dict(arrays)
+  bits = {k: np.ascontiguousarray(v).view(np.uint32).reshape(len(v), -1)
+          for k, v in arrays.items()}
+  gathered = multihost_utils.process_allgather(to_global_batch(bits, mesh), tiled=True)
+  return {k: np.ascontiguousarray(gathered[k]).view(v.dtype).reshape(-1)
+          for k, v in arrays.items()}
+
+
+def any_process(flag: bool) -> bool:
+  """Whether `flag` holds on any process (every process must call it)."""
+  if jax.process_count() == 1:
+    return bool(flag)
+  return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))
 
 
 class Rollouts(Feeder):
@@ -86,9 +125,11 @@ class Rollouts(Feeder):
     self.seq_len, self.seed = int(config.train.seq_len), int(config.train.seed)
     self.loss_chunk_size = int(config.train.loss_chunk_size)
     self.tokenizer = tokenizer_for(config.data.tokenizer)
+    # Only ids the tokenizer can decode are drawn (the model's vocabulary may be padded past it).
     self.sampling = generate_lib.SamplingConfig(
         max_new_tokens=int(g.max_new_tokens), temperature=float(g.temperature),
-        top_p=float(g.top_p), eos_id=self.tokenizer.eos_id)
+        top_p=float(g.top_p), eos_id=self.tokenizer.eos_id,
+        vocab_size=int(self.tokenizer.vocab_size))
     self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_p=1.0)
     self.reward_fns = [(name, rewards.resolve(name)) for name in objective.reward_fn_names()]
     self.on_error, self.max_skipped = g.on_reward_error, int(g.max_skipped_batches)
@@ -104,19 +145,21 @@ class Rollouts(Feeder):
 
   # -- jitted pieces ------------------------------------------------------------------------------
 
-  def _jit_generate(self, sampling):
-    if sampling not in self._generate:
+  def _jit_generate(self, sampling, with_logprobs: bool):
+    if (sampling, with_logprobs) not in self._generate:
       setup, mesh = self.setup, self.setup.mesh
       graphdef = setup.graphdef
 
       def sample(params, frozen, prompt_BP, lengths_B, key):
         model = merge_model(graphdef, params, frozen)
-        return generate_lib.sample_continuations(model, prompt_BP, lengths_B, key, sampling)
-      self._generate[sampling] = jax.jit(
+        return generate_lib.sample_continuations(model, prompt_BP, lengths_B, key, sampling,
+                                                 with_logprobs=with_logprobs)
+      out = batch_sharding(mesh)
+      self._generate[sampling, with_logprobs] = jax.jit(
           sample, in_shardings=(setup.shardings.params, setup.frozen_shardings,
                                 batch_sharding(mesh), batch_sharding(mesh, 1), replicated(mesh)),
-          out_shardings=batch_sharding(mesh))
-    return self._generate[sampling]
+          out_shardings=(out, out) if with_logprobs else out)
+    return self._generate[sampling, with_logprobs]
 
   def _jit_old_logprobs(self):
     setup, chunk = self.setup, self.loss_chunk_size
@@ -133,24 +176,39 @@ class Rollouts(Feeder):
 
   # -- one batch of rollouts ----------------------------------------------------------------------
 
-  def _complete(self, state, prompt_BP, lengths_B, key, sampling):
-    """(completion tokens [B, N], their lengths [B]) of this process's rows."""
+  def _complete(self, state, prompt_BP, lengths_B, key, sampling, with_logprobs=False):
+    """(completion tokens [B, N], their lengths [B]) of this process's rows; with
+    `with_logprobs`, a third item: the sampler's log-probs of the tokens [B, N]."""
     mesh = self.setup.mesh
     inputs = to_global_batch({"prompt": prompt_BP, "lengths": lengths_B}, mesh)
     with jax.set_mesh(mesh):
-      tokens = self._jit_generate(sampling)(state.params, state.frozen, inputs["prompt"],
-                                            inputs["lengths"], key)
+      out = self._jit_generate(sampling, with_logprobs)(state.params, state.frozen,
+                                                        inputs["prompt"], inputs["lengths"], key)
+    tokens, logprobs = out if with_logprobs else (out, None)
     tokens_BN = local_rows(tokens, mesh)
-    return tokens_BN, completion_lengths(tokens_BN, sampling.eos_id)
+    lengths = completion_lengths(tokens_BN, sampling.eos_id)
+    if not with_logprobs:
+      return tokens_BN, lengths
+    return tokens_BN, lengths, local_rows(logprobs, mesh)
 
   def _score(self, records, prompt_BP, lengths_B, tokens_BN, completion_len_B):
-    """(rewards [B], prompt texts, completion texts): raises rewards.RewardError."""
+    """(rewards [B], prompt texts, completion texts) of this process's rows. Raises
+    rewards.RewardError on every process when a reward function failed on any (so they all
+    skip, or all stop, together)."""
     decode = self.tokenizer.decode
     prompts = [decode(prompt_BP[i, :lengths_B[i]]) for i in range(len(records))]
     completions = [decode(tokens_BN[i, :completion_len_B[i]]) for i in range(len(records))]
     names = sorted({k for r in records for k in r if k != "prompt"})
     columns = {k: [r.get(k) for r in records] for k in names}
-    return rewards.score(self.reward_fns, prompts, completions, columns), prompts, completions
+    error = None
+    try:
+      scores = rewards.score(self.reward_fns, prompts, completions, columns)
+    except rewards.RewardError as e:
+      error = e
+    if any_process(error is not None):
+      raise error or rewards.RewardError(
+          "a reward function failed on another process of this run (its output has the message)")
+    return scores, prompts, completions
 
   def _reference_completions(self, records, indices_B):
     """(tokens [B, N], lengths [B]) of the records' warm-up column, EOS-terminated and cut to
@@ -178,6 +236,7 @@ class Rollouts(Feeder):
     records = [self.train_records[int(i)] for i in indices_B]
     tokens_BN, completion_len_B = self._reference_completions(records, indices_B)
     rows = training_rows(prompt_BP, lengths_B, tokens_BN, completion_len_B, self.seq_len)
+    rows.update(no_sampler_logprobs(len(records), self.seq_len))
     rows["advantages"] = np.ones(len(records), np.float32)
     return rows
 
@@ -193,14 +252,20 @@ class Rollouts(Feeder):
       key = jax.random.fold_in(key, attempt)
     jax.block_until_ready(state.params)  # the last step's update: not generation time
     start = time.perf_counter()
-    tokens_BN, completion_len_B = self._complete(state, prompt_BP, lengths_B, key, self.sampling)
+    tokens_BN, completion_len_B, logprobs_BN = self._complete(
+        state, prompt_BP, lengths_B, key, self.sampling, with_logprobs=True)
     generation_s = time.perf_counter() - start
     rewards_B, _, _ = self._score(records, prompt_BP, lengths_B, tokens_BN, completion_len_B)
-    rows = training_rows(prompt_BP, lengths_B, tokens_BN, completion_len_B, self.seq_len)
+    rows = training_rows(prompt_BP, lengths_B, tokens_BN, completion_len_B, self.seq_len,
+                         logprobs_BN)
     rows["advantages"] = np.asarray(grpo_lib.group_advantages(rewards_B, g), np.float32)
     batch = self._device_batch(state, rows)
-    metrics = {"reward_mean": float(rewards_B.mean()), "reward_std": float(rewards_B.std()),
-               "completion_len_mean": float(completion_len_B.mean())}
+    # Statistics of the whole global batch, not of this process's rows.
+    everyone = gather_rows({"rewards": rewards_B, "lengths": completion_len_B},
+                           self.setup.mesh)
+    metrics = {"reward_mean": float(everyone["rewards"].mean()),
+               "reward_std": float(everyone["rewards"].std()),
+               "completion_len_mean": float(everyone["lengths"].mean())}
     return batch, metrics, generation_s
 
   def _device_batch(self, state, rows):
@@ -270,8 +335,11 @@ class Rollouts(Feeder):
         if self.is_chief:
           print(f"warning: eval at step {step}: {e}; eval batch skipped", flush=True)
         continue
-      all_rewards.append(rewards_B)
-      all_lengths.append(completion_len_B)
+      # The whole eval batch's (every process's rows); the samples are process 0's rows.
+      everyone = gather_rows({"rewards": rewards_B, "lengths": completion_len_B},
+                             self.setup.mesh)
+      all_rewards.append(everyone["rewards"])
+      all_lengths.append(everyone["lengths"])
       for p, c, r in zip(prompts, completions, rewards_B):
         if len(samples) < self.sample_prompts:
           samples.append({"step": step, "prompt": p, "completion": c, "reward": float(r)})

@@ -18,6 +18,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
 from jaxtrain import objectives
+from jaxtrain.grpo import LOGPROB_MISMATCH
 from jaxtrain.cross_entropy import chunked_cross_entropy
 from jaxtrain.models import moe, mtp
 from jaxtrain.parallel.mesh import batch_sharding, replicated, shard
@@ -25,6 +26,17 @@ from jaxtrain.objectives.lm import BATCH_KEYS  # the language-model batch (modul
 from jaxtrain.parallel.pipeline import stage_count
 
 Batch = dict[str, jax.Array]
+
+# Metrics a loss returns as a largest value over its rows rather than a sum over its units: the
+# step takes their max over accumulation microbatches and does not divide them by the count
+# (over devices the max over the global batch already is one). -inf: nothing to measure (the
+# loop leaves them out of the log record).
+MAX_METRICS = frozenset({LOGPROB_MISMATCH})
+
+
+def _combine_metrics(acc: dict, new: dict) -> dict:
+  """Accumulated metrics plus a microbatch's: sums, MAX_METRICS by max."""
+  return {k: (jnp.maximum if k in MAX_METRICS else jnp.add)(acc[k], v) for k, v in new.items()}
 
 
 class Frozen(struct.PyTreeNode):
@@ -144,7 +156,8 @@ def make_grad_fn(graphdef, *, grad_accum_steps: int = 1, loss_chunk_size: int = 
                  param_shardings=None, objective: str = "lm", dpo_beta: float = 0.1,
                  with_aux: bool = False) -> Callable:
   """`grad_fn(params, batch, frozen=None, dropout_key=None) -> (mean loss, count, mean grads)`
-  over the whole batch (with `with_aux`, a fourth item: the objective's metrics as batch means).
+  over the whole batch (with `with_aux`, a fourth item: the objective's metrics as batch means,
+  MAX_METRICS as batch maxima).
 
   With accumulation, microbatch losses and grads are summed (grads in float32) and divided by
   the batch's total count (tokens, or pairs for DPO) once, which is exactly the full-batch
@@ -191,7 +204,7 @@ def make_grad_fn(graphdef, *, grad_accum_steps: int = 1, loss_chunk_size: int = 
         (params_, frozen_), acc_loss, acc_count, acc_aux, acc_grads = carry
         loss_sum, count, aux, grads = value_and_grad(params_, frozen_, mb, key)
         return ((params_, frozen_), acc_loss + loss_sum, acc_count + count,
-                jax.tree.map(jnp.add, acc_aux, aux),
+                _combine_metrics(acc_aux, aux),
                 jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)), None
 
       zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
@@ -200,7 +213,8 @@ def make_grad_fn(graphdef, *, grad_accum_steps: int = 1, loss_chunk_size: int = 
       aux_shapes = jax.eval_shape(
           lambda p, f, b: loss_sums(p, f, b, constants_fn(p, f, b), None)[2], params, frozen,
           jax.tree.map(lambda x: x[0], first))
-      zero_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes)
+      zero_aux = {k: jnp.full(s.shape, -jnp.inf if k in MAX_METRICS else 0, s.dtype)
+                  for k, s in aux_shapes.items()}
       init = ((params, frozen), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
               zero_aux, zeros)
       (_, loss_sum, count, aux, grads), _ = jax.lax.scan(
@@ -209,7 +223,8 @@ def make_grad_fn(graphdef, *, grad_accum_steps: int = 1, loss_chunk_size: int = 
     denom = jnp.maximum(count, 1.0)
     grads = constrain(jax.tree.map(lambda g: g / denom, grads))
     if with_aux:
-      return loss_sum / denom, count, grads, {k: v / denom for k, v in aux.items()}
+      return loss_sum / denom, count, grads, {k: v if k in MAX_METRICS else v / denom
+                                              for k, v in aux.items()}
     return loss_sum / denom, count, grads
 
   return grad_fn

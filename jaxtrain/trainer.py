@@ -32,7 +32,7 @@ from jaxtrain.models.config import ModelConfig
 from jaxtrain.objectives import Objective
 from jaxtrain.rewards import RewardError
 from jaxtrain.train_setup import Setup, build
-from jaxtrain.train_step import TrainState
+from jaxtrain.train_step import MAX_METRICS, TrainState
 
 
 def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConfig,
@@ -413,8 +413,10 @@ def _log(writer, meter: _Throughput, spikes: LossSpikeDetector, step: int, devic
             "grad_norm": m["grad_norm"], **meter.measure(step), "tokens": m["tokens"],
             "skipped": m["skipped"], "skipped_steps": skipped_steps,
             "loss_spikes": spikes.spikes}
+  # A max over no elements (-inf: e.g. logprob_mismatch of a warm-up step, which sampled no
+  # tokens) is left out, as metrics that do not apply are.
   record.update({k: m[k] for k in metric_names + moe.METRIC_NAMES + mtp.METRIC_NAMES
-                 if k in m})
+                 if k in m and not (k in MAX_METRICS and m[k] == float("-inf"))})
   if writer:
     writer.write_train(step, record)
   return {"loss": m["loss"]}

@@ -13,6 +13,7 @@ from jaxtrain import train_setup
 from jaxtrain.checkpoint import save_params
 from jaxtrain.config import load_config_file
 from jaxtrain.data.tokenizer import load_tokenizer
+from jaxtrain import generate as generate_lib
 from jaxtrain.generate import SamplingConfig, generate, sample_token
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import create_model
@@ -117,3 +118,72 @@ def test_cli_continues_prompts_from_a_weights_directory(tmp_path):
   bad = run_generate(f"--checkpoint={tmp_path / 'missing'}", "--prompt=x")
   assert bad.returncode == 2 and "no such directory" in bad.stderr
   assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def _model_favouring(padded_ids):
+  """The small model with its head rewritten so that one of `padded_ids` (two ids) always has
+  the largest logit: +c·v and -c·v on their columns, 0 on every other, so for any hidden state
+  h one of the two gets c·|h·v| > 0."""
+  cfg = ModelConfig.of(vocab_size=53, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+                       head_dim=8, mlp_dim=64, max_position_embeddings=64, remat_policy="none",
+                       init_std=0.3)
+  model = create_model(cfg, mesh_of((1, 1, 1)), seed=0)
+  v = np.random.default_rng(0).normal(size=32).astype(np.float32)
+  head = np.zeros((32, 53), np.float32)
+  head[:, padded_ids[0]], head[:, padded_ids[1]] = 50 * v, -50 * v
+  model.head_DV[...] = jnp.asarray(head)
+  return model
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
+  """A tokenizer of 51 ids under a model of 53 (padded): a model whose logits favour the padded
+  ids 51 and 52 draws them without the limit and never with it, greedy or sampled."""
+  model = _model_favouring((51, 52))
+  prompts = [np.array([1, 5, 9, 2, 7]), np.array([3]), np.array([4, 4, 8])] * 4
+  unlimited = np.concatenate(generate(model, prompts, SamplingConfig(max_new_tokens=10)))
+  assert (unlimited >= 51).all()  # the model's favourites
+  for sampling in (SamplingConfig(max_new_tokens=10, vocab_size=51),
+                   SamplingConfig(max_new_tokens=10, temperature=1.0, vocab_size=51),
+                   SamplingConfig(max_new_tokens=10, temperature=2.0, top_p=0.9, vocab_size=51)):
+    drawn = np.concatenate(generate(model, prompts, sampling, seed=3))
+    assert drawn.max() < 51, sampling
+    assert len(np.unique(drawn)) > 1 or sampling.temperature == 0.0
+  # sample_token alone: the largest logit on the last id, which the limit rules out.
+  logits = jnp.tile(jnp.arange(8, dtype=jnp.float32), (4, 1))
+  assert set(np.asarray(sample_token(logits, jax.random.key(0), 0.0, 1.0)).tolist()) == {7}
+  draws = jax.vmap(lambda k: sample_token(logits, k, 1.0, 1.0, vocab_size=6))(
+      jax.random.split(jax.random.key(0), 500))
+  assert np.asarray(draws).max() == 5  # 6 and 7 never; 5 the most likely of the rest
+  with pytest.raises(ValueError, match="vocab_size"):
+    SamplingConfig(vocab_size=0)
+
+
+def test_sampler_logprobs_are_the_models_log_softmax_of_the_drawn_tokens():
+  """with_logprobs: each drawn token's log-prob under the model's logits at temperature 1 (over
+  every id: not the tempered, truncated or vocabulary-limited distribution it was drawn from),
+  as the whole-sequence forward computes it; 0 after EOS."""
+  model = _model()
+  prompt_BP = jnp.asarray([[1, 5, 9, 2, 7], [3, 0, 0, 0, 0]], jnp.int32)
+  lengths_B = jnp.asarray([5, 1], jnp.int32)
+  sampling = SamplingConfig(max_new_tokens=8, temperature=1.5, top_p=0.9, vocab_size=50)
+  run = nnx.jit(lambda m, p, l, k: generate_lib.sample_continuations(
+      m, p, l, k, sampling, with_logprobs=True))
+  tokens_BN, logprobs_BN = (np.asarray(x) for x in run(model, prompt_BP, lengths_B,
+                                                       jax.random.key(0)))
+  assert tokens_BN.max() < 50
+  for b in range(2):
+    ids = np.concatenate([np.asarray(prompt_BP[b, :int(lengths_B[b])]), tokens_BN[b]])
+    logits = model(jnp.asarray(ids)[None])[0].astype(jnp.float32)
+    want = jax.nn.log_softmax(logits, axis=-1)[np.arange(len(ids) - 1), ids[1:]]
+    p = int(lengths_B[b])
+    np.testing.assert_allclose(logprobs_BN[b], np.asarray(want)[p - 1:], rtol=1e-5, atol=1e-5)
+  # After EOS a row's log-probs are 0 (the same draws: the same key).
+  eos = int(tokens_BN[0, 2])
+  k = int(np.argmax(tokens_BN[0] == eos))  # the row's first EOS (at 2 or before)
+  stopped = SamplingConfig(max_new_tokens=8, temperature=1.5, top_p=0.9, vocab_size=50,
+                           eos_id=eos)
+  _, after = nnx.jit(lambda m, p, l, k: generate_lib.sample_continuations(
+      m, p, l, k, stopped, with_logprobs=True))(model, prompt_BP, lengths_B, jax.random.key(0))
+  after = np.asarray(after)
+  assert (after[0, k + 1:] == 0.0).all() and (after[0, :k + 1] < 0).all()
+  np.testing.assert_array_equal(after[0, :k + 1], logprobs_BN[0, :k + 1])

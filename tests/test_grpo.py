@@ -83,3 +83,23 @@ def test_sums_over_halves_add_up_to_the_whole_batch():
   for k in grpo.METRIC_NAMES:
     np.testing.assert_allclose(float(halves[0][2][k] + halves[1][2][k]), float(whole[2][k]),
                                rtol=1e-6)
+
+
+def test_logprob_mismatch_is_the_largest_gap_over_sampled_completion_tokens():
+  rng = np.random.default_rng(2)
+  trainer = rng.normal(-2.0, 0.5, (4, 6)).astype(np.float32)
+  sampler = (trainer + rng.normal(0.0, 0.01, (4, 6))).astype(np.float32)
+  mask = (rng.random((4, 6)) < 0.7).astype(np.float32)
+  sampler[0, :] = np.nan  # a row without sampled tokens (a warm-up's) counts for nothing
+  trainer[1, 0], mask[1, 0] = np.nan, 0.0  # garbage off the mask counts for nothing
+  sampler[2, 1], mask[2, 1] = -50.0, 0.0  # nor does a large gap off the mask
+  counted = (mask > 0) & ~np.isnan(sampler)
+  want = np.abs(trainer - sampler)[counted].max()
+  got = grpo.logprob_mismatch(jnp.asarray(trainer), jnp.asarray(sampler), jnp.asarray(mask))
+  assert float(got) == pytest.approx(float(want), rel=1e-6)
+  assert float(grpo.logprob_mismatch(jnp.asarray(trainer), jnp.full((4, 6), jnp.nan),
+                                     jnp.asarray(mask))) == -np.inf
+  # No gradient, and no NaN from the positions it leaves out.
+  grad = jax.grad(lambda x: grpo.logprob_mismatch(x, jnp.asarray(sampler), jnp.asarray(mask)))(
+      jnp.asarray(np.nan_to_num(trainer)))
+  np.testing.assert_array_equal(np.asarray(grad), 0.0)

@@ -40,11 +40,15 @@ def test_killed_grpo_run_resumes_with_the_same_completions(tmp_path):
   whole = _records(tmp_path / "whole")
   train = [r for r in whole if "loss" in r]
   assert [r["step"] for r in train] == list(range(1, STEPS + 1))
-  # Steps 1-2 are the supervised warm-up (no sampled completions, so no rewards to report).
+  # Steps 1-2 are the supervised warm-up (no sampled completions, so no rewards to report, and
+  # no sampler log-probs to compare).
   assert "reward_mean" not in train[1] and "reward_mean" in train[2]
+  assert "logprob_mismatch" not in train[1] and "logprob_mismatch" in train[2]
   for key in ("reward_mean", "reward_std", "kl", "clip_fraction", "completion_len_mean",
-              "generation_share"):
+              "generation_share", "logprob_mismatch"):
     assert key in train[-1], key
+  # The sampler's and the trainer's log-probs of the sampled tokens: float32 round-off on CPU.
+  assert all(0.0 <= r["logprob_mismatch"] < 1e-4 for r in train[2:])
   assert 0.0 < train[-1]["generation_share"] < 1.0
   samples = [json.loads(l) for l in open(tmp_path / "whole" / "completions.jsonl",
                                           encoding="utf-8")]
@@ -58,7 +62,7 @@ def test_killed_grpo_run_resumes_with_the_same_completions(tmp_path):
   assert "resumed from step 4" in proc.stdout
   split = [r for r in _records(tmp_path / "split") if "loss" in r]
   key = lambda r: (r["step"], r["loss"], r.get("grad_norm"), r.get("reward_mean"), r["kl"],
-                   r.get("completion_len_mean"))
+                   r.get("completion_len_mean"), r.get("logprob_mismatch"))
   assert [key(r) for r in split] == [key(r) for r in train]  # bitwise: the same rollouts
 
 

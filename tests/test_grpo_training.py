@@ -51,7 +51,7 @@ def test_training_rows_mark_exactly_the_completion_targets():
 
 def _rollout_batch(config, seed=0, old_logprobs=False):
   """A batch as the rollouts build it: prompts of different lengths, completions of different
-  lengths, group-relative advantages of random rewards."""
+  lengths, group-relative advantages of random rewards, made-up sampler log-probs."""
   rng = np.random.default_rng(seed)
   b, t, v = config.train.global_batch_size * G, config.train.seq_len, config.model.vocab_size
   n = config.grpo.max_new_tokens
@@ -59,7 +59,8 @@ def _rollout_batch(config, seed=0, old_logprobs=False):
   prompt_BP = rng.integers(3, v, (b, p)).astype(np.int32)
   lengths_B = rng.integers(1, p + 1, b).astype(np.int32)
   tokens_BN = rng.integers(3, v, (b, n)).astype(np.int32)
-  rows = training_rows(prompt_BP, lengths_B, tokens_BN, rng.integers(1, n + 1, b), t)
+  sampler_BN = (-rng.random((b, n)) * 8).astype(np.float32)
+  rows = training_rows(prompt_BP, lengths_B, tokens_BN, rng.integers(1, n + 1, b), t, sampler_BN)
   rows["advantages"] = np.asarray(grpo.group_advantages(rng.random(b), G), np.float32)
   if old_logprobs:
     rows[grpo.OLD_LOGPROBS] = (-rng.random((b, t)) * 3).astype(np.float32)
@@ -87,9 +88,14 @@ def test_accumulation_and_meshes_give_the_full_batch_step(iterations, mesh_shape
     assert float(want_metrics["clip_fraction"]) > 0.0  # made-up old log-probs: ratios far off 1
   config.train.grad_accum_steps = 2
   metrics, params = _losses_and_grads(config, batch, mesh_shape)
-  for k in ("loss", "kl", "clip_fraction", "grad_norm"):
+  # logprob_mismatch: a max over the microbatches and devices, not a mean.
+  for k in ("loss", "kl", "clip_fraction", "grad_norm", "logprob_mismatch"):
     np.testing.assert_allclose(float(metrics[k]), float(want_metrics[k]), rtol=1e-5, atol=1e-7,
                                err_msg=f"{k} on {mesh_shape}")
+  if iterations > 1:  # against the old log-probs, before any update
+    mask = (batch["loss_mask"] > 0) & ~np.isnan(batch[grpo.SAMPLER_LOGPROBS])
+    gap = np.abs(batch[grpo.OLD_LOGPROBS] - batch[grpo.SAMPLER_LOGPROBS])[mask].max()
+    assert float(metrics["logprob_mismatch"]) == pytest.approx(float(gap), rel=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params,
                want_params)
   assert float(want_metrics["tokens"]) == config.train.global_batch_size * G  # sequences
@@ -120,6 +126,10 @@ def test_loss_equals_grpo_loss_of_the_models_token_logprobs():
     _, metrics = setup.train_step(state, trainer.to_global_batch(batch, setup.mesh))
   np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-5, atol=1e-7)
   assert float(metrics["kl"]) == pytest.approx(float(want_metrics["kl"]), abs=1e-7)
+  # logprob_mismatch: the largest gap between the sampler's log-probs (made up here) and the
+  # policy's, over the completion tokens, before the update.
+  gap = np.abs(np.asarray(logprobs) - batch[grpo.SAMPLER_LOGPROBS])[mask].max()
+  assert float(metrics["logprob_mismatch"]) == pytest.approx(float(gap), rel=1e-5)
 
 
 @pytest.mark.slow
@@ -218,7 +228,9 @@ def test_warmup_rows_hold_the_reference_answer_with_advantage_one(tmp_path):
 def test_sampled_rollouts_are_scored_grouped_and_seeded(tmp_path, mesh_shape):
   """On one device and sharded over data x tensor: G distinct samples per prompt, rewards from
   the function on the decoded text, zero-mean advantages per group, and the same completions
-  again for the same step (the key is (seed, step))."""
+  again for the same step (the key is (seed, step)). Only ids of the tokenizer's vocabulary are
+  drawn (the model's is padded past it), and the batch carries the sampler's log-probs of the
+  completion tokens, which the train step finds equal to its own within float32 round-off."""
   config, state, feeder, it = _rollouts(tmp_path, mesh_shape)
   local = next(it)
   batch, metrics, _ = feeder._rollout(state, 5, local, 0)  # pylint: disable=protected-access
@@ -250,3 +262,34 @@ def test_sampled_rollouts_are_scored_grouped_and_seeded(tmp_path, mesh_shape):
   assert 0.0 <= metrics["reward_mean"] <= 1.0 and metrics["completion_len_mean"] >= 1
   assert np.asarray(batch["loss_mask"]).sum(axis=1).min() >= 1
   assert batch["targets"].shape == (config.train.global_batch_size * G, config.train.seq_len)
+  # 384 model ids, 258 byte-tokenizer ids: a random model would draw a third of its tokens from
+  # the padding.
+  assert config.model.vocab_size == 384 and tok.vocab_size == 258
+  assert targets[mask].max() < tok.vocab_size
+  sampler = np.asarray(batch[grpo.SAMPLER_LOGPROBS])
+  assert np.isfinite(sampler[mask]).all() and (sampler[mask] < 0).all()
+  assert np.isnan(sampler[~mask]).all()
+  with jax.set_mesh(feeder.setup.mesh):
+    _, step_metrics = feeder.setup.train_step(state, batch)
+  assert 0.0 <= float(step_metrics["logprob_mismatch"]) < 1e-4
+
+
+def test_logprob_mismatch_with_warmup_and_reused_rollouts(tmp_path):
+  """A warm-up batch samples nothing: logprob_mismatch is -inf there (the loop leaves it out of
+  the log). With grpo.num_iterations=2 it compares the sampler with the old log-probs (the
+  weights that sampled), so both steps of a batch of rollouts report the same small gap."""
+  _, state, feeder, it = _rollouts(tmp_path, (1, 1, 1), warmup_steps=1, num_iterations=2)
+  local = next(it)
+  step = feeder.setup.train_step
+  warmup, _, _ = feeder._rollout(state, 1, local, 0)  # pylint: disable=protected-access
+  assert np.isnan(np.asarray(warmup[grpo.SAMPLER_LOGPROBS])).all()
+  with jax.set_mesh(feeder.setup.mesh):
+    state, metrics = step(state, warmup)
+    assert float(metrics["logprob_mismatch"]) == -np.inf
+    batch, _, _ = feeder._rollout(state, 3, local, 0)  # pylint: disable=protected-access
+    assert grpo.OLD_LOGPROBS in batch
+    state, first = step(state, batch)
+    state, second = step(state, batch)
+  assert float(first["loss"]) != float(second["loss"])  # the weights moved in between
+  assert float(first["logprob_mismatch"]) == float(second["logprob_mismatch"])
+  assert 0.0 <= float(first["logprob_mismatch"]) < 1e-4

@@ -6,6 +6,11 @@ A step's batch is train.global_batch_size prompts × grpo.num_generations comple
 of train.seq_len tokens (prompt, completion, padding) with the loss on the completion tokens.
 Each batch of rollouts trains grpo.num_iterations optimizer steps; with one, the sampling
 policy is the trained one and its log-probs are the policy's own, without gradient.
+
+Every batch also carries the sampler's log-probs of its completion tokens
+(grpo_lib.SAMPLER_LOGPROBS), and each step reports `logprob_mismatch`: the largest gap between
+them and the trainer's log-probs of the same tokens before the update (the loss's own with one
+iteration, the old log-probs with several).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ ROLLOUT_METRICS = ("reward_mean", "reward_std", "completion_len_mean", "generati
 
 class GRPO(Objective):
   name = "grpo"
-  metric_names = grpo_lib.METRIC_NAMES + ROLLOUT_METRICS
+  metric_names = grpo_lib.METRIC_NAMES + (grpo_lib.LOGPROB_MISMATCH,) + ROLLOUT_METRICS
   unit = "completions"
 
   def __init__(self, settings):
@@ -122,6 +127,7 @@ class GRPO(Objective):
     shapes = {k: ((b, t), jnp.float32 if k == "loss_mask" else jnp.int32)
               for k in grpo_lib.TOKEN_KEYS}
     shapes["advantages"] = ((b,), jnp.float32)
+    shapes[grpo_lib.SAMPLER_LOGPROBS] = ((b, t), jnp.float32)
     if self.num_iterations > 1:
       shapes[grpo_lib.OLD_LOGPROBS] = ((b, t), jnp.float32)
     return shapes
@@ -170,6 +176,10 @@ class GRPO(Objective):
       loss_sum, count, metrics = grpo_lib.grpo_sums(
           logprobs_BT, old_BT, jax.lax.stop_gradient(ref_BT), rows["advantages"],
           rows["loss_mask"], epsilon=epsilon, beta=beta)
+      # The trainer's log-probs of the sampled tokens before any update: this step's with one
+      # iteration, the old ones (computed right after sampling) with several.
+      metrics[grpo_lib.LOGPROB_MISMATCH] = grpo_lib.logprob_mismatch(
+          old_BT, rows[grpo_lib.SAMPLER_LOGPROBS], rows["loss_mask"])
       extra, router_metrics = router_terms(policy, router_passes, count, training=training)
       return loss_sum + extra, count, {**metrics, **router_metrics}
     return reference_logprobs, sums
