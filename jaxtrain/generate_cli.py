@@ -83,7 +83,7 @@ def run(argv=None):
       sys.exit(2)
     sampling = SamplingConfig(max_new_tokens=sampling.max_new_tokens,
                               temperature=sampling.temperature, top_p=sampling.top_p,
-                              eos_id=tokenizer.eos_id)
+                              eos_id=tokenizer.eos_id, vocab_size=tokenizer.vocab_size)
     prompts = [tokenizer.encode_document(p, add_bos=tokenizer.bos_id is not None, add_eos=False)
                for p in _PROMPT.value]
     for prompt, ids in zip(_PROMPT.value, generate(model, prompts, sampling, seed=_SEED.value)):

@@ -110,7 +110,8 @@ def test_cli_continues_prompts_from_a_weights_directory(tmp_path):
   model = nnx.merge(setup.graphdef, state.params)
   ids = [tokenizer.encode_document(p, add_bos=tokenizer.bos_id is not None, add_eos=False)
          for p in prompts]
-  rows = generate(model, ids, SamplingConfig(max_new_tokens=8, eos_id=tokenizer.eos_id))
+  rows = generate(model, ids, SamplingConfig(max_new_tokens=8, eos_id=tokenizer.eos_id,
+                                                vocab_size=tokenizer.vocab_size))
   want = "".join(f"--- prompt: {p!r}\n{p}"
                  + tokenizer.decode([int(i) for i in row if i != tokenizer.eos_id]) + "\n"
                  for p, row in zip(prompts, rows))
