@@ -26,7 +26,7 @@ ROPE_SCALING_TYPES = ("none", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 # Adam moments: float16 is refused, its range underflows the second moment of small grads.
 STATE_DTYPES = ("float32", "bfloat16")
-OBJECTIVES = ("lm", "dpo", "grpo", "reward")
+OBJECTIVES = ("lm", "dpo", "grpo", "reward", "ppo")
 # grpo.on_reward_error: stop the run, or skip the batch of rollouts (drawing the next prompts).
 REWARD_ERROR_POLICIES = ("stop", "skip")
 # Projections that can carry LoRA adapters: attention q/k/v/o and the gated MLP's three (each
@@ -105,6 +105,9 @@ def default_config() -> ml_collections.ConfigDict:
   # `*ForSequenceClassification` checkpoints); the model's call gives [B, T] scores. Implied by
   # train.objective="reward".
   c.model.score_head = False
+  # A scalar value head [D, 1] beside the vocabulary head: PPO's critic on the policy's trunk
+  # (train.objective="ppo" needs it). A language model's weights lack it: it starts at zero.
+  c.model.value_head = False
   c.model.init_std = 0.02
   c.model.scan_layers = True
   c.model.remat_policy = "minimal"
@@ -249,7 +252,8 @@ def default_config() -> ml_collections.ConfigDict:
   # pairs (data.format="preference") against a frozen reference (see the dpo group); "grpo":
   # online RL on prompts (data.format="prompt") with completions sampled in the loop and scored
   # by reward functions (see the grpo group); "reward": a reward model (a score head, see
-  # model.score_head) trained on preference pairs with the Bradley-Terry loss (the reward group).
+  # model.score_head) trained on preference pairs with the Bradley-Terry loss (the reward group);
+  # "ppo": online RL like grpo with a value head and GAE advantages (the ppo group).
   c.train.objective = "lm"
 
   # Reward-model training (jaxtrain.reward, docs/finetuning.md): loss per pair
@@ -287,6 +291,21 @@ def default_config() -> ml_collections.ConfigDict:
   c.grpo.warmup_column = "answer"
   # Each eval writes greedy completions of this many eval prompts to WORKDIR/completions.jsonl.
   c.grpo.sample_prompts = 4
+
+  # Proximal policy optimization (jaxtrain.ppo, docs/finetuning.md): one completion per prompt,
+  # sampled and scored with the grpo group's rollout settings (max_new_tokens, temperature,
+  # top_p, reward_fns, on_reward_error, sample_prompts); a value head on the policy's trunk
+  # (model.value_head) is the critic. A batch of rollouts is train.global_batch_size x
+  # minibatches prompts, trained for `epochs` passes of `minibatches` optimizer steps each.
+  c.ppo = ml_collections.ConfigDict()
+  c.ppo.epochs = 2
+  c.ppo.minibatches = 2
+  c.ppo.gamma = 1.0  # discount over the completion's tokens
+  c.ppo.lam = 0.95  # GAE's lambda: 1 = Monte Carlo returns, 0 = one-step TD
+  c.ppo.epsilon = 0.2  # clip range of the policy's importance ratio
+  c.ppo.value_clip = 0.2  # clip range of the value update around the rollout's values
+  c.ppo.vf_coef = 0.1  # weight of the value loss in the total loss
+  c.ppo.kl_coef = 0.05  # per-token KL penalty to the reference in the rewards; 0: no reference
 
   # Low-rank adapters: rank 0 trains every weight (full fine-tuning); rank > 0 freezes the base
   # weights and trains only adapters W + (alpha / rank) * A @ B on lora.targets. Only the

@@ -227,10 +227,13 @@ def sequence_cross_entropy(x_BTD, w, targets_BT, mask_BT, chunk_size: int,
   return total_B
 
 
-def token_cross_entropy(x_BTD, w, targets_BT, chunk_size: int, vocab_axis: int = 1):
+def token_cross_entropy(x_BTD, w, targets_BT, chunk_size: int, vocab_axis: int = 1,
+                        vocab_limit: int | None = None):
   """[B, T] float32 cross-entropy of every target token (e.g. GRPO's per-token log-probs).
 
   Chunked and rematerialized like `sequence_cross_entropy`: [B, C, V] float32 logits at a time.
+  `vocab_limit`: the softmax over ids below it only (the tokenizer's real vocabulary, which the
+  RL samplers draw from; the model's may be padded past it).
   """
   t = x_BTD.shape[1]
   x_NBCD, targets_NBC, _ = _chunked(x_BTD, targets_BT, jnp.ones(targets_BT.shape), chunk_size)
@@ -238,7 +241,11 @@ def token_cross_entropy(x_BTD, w, targets_BT, chunk_size: int, vocab_axis: int =
   @jax.checkpoint
   def chunk_tokens(x_BCD, targets_BC):
     logits_BCV = _head(x_BCD, w, vocab_axis)
-    lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+    if vocab_limit is not None and vocab_limit < w.shape[vocab_axis]:
+      real_V = jnp.arange(w.shape[vocab_axis]) < vocab_limit
+      lse_BC = jax.nn.logsumexp(jnp.where(real_V, logits_BCV, -jnp.inf), axis=-1)
+    else:
+      lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
     onehot_BCV = jax.nn.one_hot(targets_BC, w.shape[vocab_axis], dtype=jnp.float32)
     return lse_BC - jnp.sum(logits_BCV * onehot_BCV, axis=-1)
 

@@ -96,11 +96,11 @@ def sample_continuations(model: Decoder, prompt_BP, lengths_B, key, sampling: Sa
   rollouts, which merge the model from the live sharded params).
 
   `with_logprobs`: returns (tokens [B, N], log-probs [B, N] float32), each generated token's
-  log-probability under the model's own distribution: log_softmax of its logits at temperature
-  1 over all the model's ids, before temperature, top-p or the vocabulary mask shape the draw.
-  That is what a trainer computes for the same token from the same weights (its
-  `token_logprobs`), so the two can be compared (GRPO's `logprob_mismatch`). 0 after a row's
-  EOS."""
+  log-probability under the policy's distribution: log_softmax of its logits at temperature 1
+  over the ids `sampling.vocab_size` allows (the tokenizer's; all the model's when None), before
+  temperature and top-p shape the draw. That is what a trainer computes for the same token from
+  the same weights (grpo.token_logprobs with the same vocab_limit), so the two can be compared
+  (`logprob_mismatch`). 0 after a row's EOS."""
   b, p = prompt_BP.shape
   n = sampling.max_new_tokens
   cache = model.empty_cache(b, p + n)
@@ -122,7 +122,8 @@ def sample_continuations(model: Decoder, prompt_BP, lengths_B, key, sampling: Sa
     token_B = jnp.where(done_B, eos, token_B)
     out_BN = out_BN.at[:, i].set(token_B)
     if with_logprobs:
-      all_BV = jax.nn.log_softmax(last_BV.astype(jnp.float32), axis=-1)
+      all_BV = jax.nn.log_softmax(mask_vocab(last_BV.astype(jnp.float32), sampling.vocab_size),
+                                  axis=-1)
       logprob_B = jnp.take_along_axis(all_BV, token_B[:, None], axis=-1)[:, 0]
       logprobs_BN = logprobs_BN.at[:, i].set(jnp.where(done_B, 0.0, logprob_B))
     done_B = done_B | (token_B == eos)

@@ -108,14 +108,24 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, epsilon
   return total / count, {k: v / count for k, v in sums.items()}
 
 
-def token_logprobs(model, batch, *, chunk_size: int = 512, dropout_key=None) -> jax.Array:
+def token_logprobs(model, batch, *, chunk_size: int = 512, dropout_key=None,
+                   vocab_limit: int | None = None, with_values: bool = False):
   """[B, T] float32 log p(targets[t] | inputs[:t+1]) under `model`, for a batch already in the
   model's sequence layout (`model.sequence_layout`). Padding positions hold garbage that the
-  loss mask removes."""
+  loss mask removes.
+
+  `vocab_limit`: the policy is the softmax over the ids below it, the tokenizer's real
+  vocabulary that the rollouts draw from. Over a padded vocabulary instead, training could move
+  probability onto ids no rollout ever draws, which lowers every sampled token's log-prob
+  without changing what is sampled: the KL estimates and the importance ratios would then
+  reward it. `with_values`: (log-probs, the value head's values [B, T]) from the same pass
+  (PPO)."""
   kwargs = {} if dropout_key is None else {"dropout_key": dropout_key}  # LoRA dropout
   x_BTD = model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"], **kwargs)
   w, vocab_axis = model.head()
-  return -token_cross_entropy(x_BTD, w, batch["targets"], chunk_size, vocab_axis)
+  logprobs_BT = -token_cross_entropy(x_BTD, w, batch["targets"], chunk_size, vocab_axis,
+                                     vocab_limit)
+  return (logprobs_BT, model.values(x_BTD)) if with_values else logprobs_BT
 
 
 def in_layout(model, batch):

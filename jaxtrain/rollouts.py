@@ -168,7 +168,8 @@ class Rollouts(Feeder):
     def old_logprobs(params, frozen, batch):
       # Layout order: GRPO runs without a context axis (its config check), so it is the rows'.
       model = merge_model(graphdef, params, frozen)
-      return grpo_lib.token_logprobs(model, batch, chunk_size=chunk)
+      return grpo_lib.token_logprobs(model, batch, chunk_size=chunk,
+                                     vocab_limit=self.objective.vocab_limit)
     shardings = {k: batch_sharding(setup.mesh) for k in grpo_lib.TOKEN_KEYS}
     return jax.jit(old_logprobs, in_shardings=(setup.shardings.params, setup.frozen_shardings,
                                                shardings),

@@ -300,10 +300,8 @@ def _has_score_head(config) -> bool:
 
 
 def _has_value_head(config) -> bool:
-  """model.value_head, implied by train.objective="ppo" (absent from older configs)."""
-  train = config.get("train")
-  return (bool(config.model.get("value_head", False))
-          or (train is not None and train.get("objective") == "ppo"))
+  """model.value_head (absent from older configs)."""
+  return bool(config.model.get("value_head", False))
 
 
 def architecture_of(config) -> Architecture:

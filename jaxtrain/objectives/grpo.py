@@ -35,8 +35,10 @@ class GRPO(Objective):
   metric_names = grpo_lib.METRIC_NAMES + (grpo_lib.LOGPROB_MISMATCH,) + ROLLOUT_METRICS
   unit = "completions"
 
-  def __init__(self, settings):
+  def __init__(self, settings, vocab_limit: int | None = None):
     self.settings = settings
+    # The tokenizer's vocabulary: the policy's softmax is over it (grpo_lib.token_logprobs).
+    self.vocab_limit = vocab_limit
     self.num_generations = int(settings.num_generations)
     self.num_iterations = int(settings.num_iterations)
     self.epsilon, self.beta = float(settings.epsilon), float(settings.beta)
@@ -154,6 +156,7 @@ class GRPO(Objective):
     # pylint: disable-next=import-outside-toplevel
     from jaxtrain.train_step import merge_model, router_terms
     epsilon, beta, reuse = self.epsilon, self.beta, self.num_iterations > 1
+    vocab_limit = self.vocab_limit
 
     def reference_logprobs(params, frozen, batch):
       if not beta:
@@ -161,14 +164,15 @@ class GRPO(Objective):
       reference = reference_model(graphdef, params, frozen)
       rows = grpo_lib.in_layout(reference, batch)
       return jax.lax.stop_gradient(
-          grpo_lib.token_logprobs(reference, rows, chunk_size=loss_chunk_size))
+          grpo_lib.token_logprobs(reference, rows, chunk_size=loss_chunk_size,
+                                  vocab_limit=vocab_limit))
 
     def sums(params, frozen, batch, ref_logprobs_BT, dropout_key):
       policy = merge_model(graphdef, params, frozen)
       rows = grpo_lib.in_layout(policy, batch)
       with moe.collect_router_stats() as router_passes:  # the policy's pass (an MoE model)
         logprobs_BT = grpo_lib.token_logprobs(policy, rows, chunk_size=loss_chunk_size,
-                                              dropout_key=dropout_key)
+                                              dropout_key=dropout_key, vocab_limit=vocab_limit)
       # One update per batch of rollouts: the sampling policy is this one (ratio 1, gradient
       # of the ratio = gradient of the log-probs).
       old_BT = rows[grpo_lib.OLD_LOGPROBS] if reuse else jax.lax.stop_gradient(logprobs_BT)
