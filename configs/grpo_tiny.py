@@ -5,8 +5,8 @@ scripts/make_finetune_examples.py). From a random init, each step samples 8 comp
 prompts with the current weights and scores them with `jaxtrain.rewards:similarity`, partial
 credit in [0, 1] (how much of the reversal a completion gets right), so even a random model gets
 a signal. The reference is the random init, so the KL penalty is kept small. On 2 CPU cores the
-700 steps take 7 minutes, compile included, and the mean reward of the sampled completions rises
-from 0.10 (first five logged steps) to 0.26 (last five); docs/finetuning.md has the run.
+700 steps take 5 1/2 minutes, compile included, and the mean reward of the sampled completions
+rises from 0.10 (first five logged steps) to 0.41 (last five); docs/finetuning.md has the run.
 No supervised warm-up is needed here; `grpo.warmup_steps` adds one.
 """
 

@@ -6,7 +6,7 @@ the Bradley-Terry loss on examples/finetune/preference.jsonl (scripts/make_finet
 the chosen answer reverses the word, the rejected one is the word itself or its reversal in
 capitals), 5% of the pairs held out. From a random init it reaches a held-out accuracy
 (`eval_accuracy`, 128 held-out pairs) of 0.75 or more at step 300, chance being 0.5 (0.82 on one
-CPU device, 0.80 on 8: the tests' mesh). Start from a trained tiny run with
+CPU device, 0.80 on 8 emulated ones). Start from a trained tiny run with
 --config.checkpoint.init_from=runs/tiny to begin from a language model (its vocabulary head is
 left out, the score head starts at zero).
 
