@@ -24,9 +24,12 @@ def test_get_reads_the_objective_and_its_settings_from_the_config():
   assert isinstance(dpo, objectives.DPO) and dpo.beta == 0.25 and dpo.uses_reference
   assert objectives.get("dpo", dpo_beta=0.5).beta == 0.5
   assert objectives.get(dpo) is dpo
-  with pytest.raises(ValueError, match="unknown objective 'ppo'"):
+  with pytest.raises(ValueError, match="unknown objective 'kto'"):
+    objectives.get("kto")
+  with pytest.raises(ValueError, match="the PPO objective needs its settings"):
     objectives.get("ppo")
-  assert set(objectives.NAMES) == {"lm", "dpo", "grpo"}
+  assert isinstance(objectives.get("reward"), objectives.RewardModel)
+  assert set(objectives.NAMES) == {"lm", "dpo", "grpo", "reward", "ppo"}
 
 
 def test_language_model_batches_and_flops():
