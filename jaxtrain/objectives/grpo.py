@@ -65,6 +65,12 @@ class GRPO(Objective):
     if self.beta < 0 or not 0 < self.epsilon < 1:
       raise ConfigError(f"grpo.beta={g.beta}, grpo.epsilon={g.epsilon}: need beta >= 0 and "
                         f"0 < epsilon < 1 (typical: 0.04 and 0.2)")
+    self._check_rollouts(config)
+    self._check_mesh_and_steps(config)
+
+  def _check_rollouts(self, config):
+    """The rollout settings GRPO and PPO share: sampling, lengths, reward functions."""
+    g = self.settings
     if g.temperature <= 0 or not 0 < g.top_p <= 1:
       raise ConfigError(f"grpo.temperature={g.temperature}, grpo.top_p={g.top_p}: rollouts "
                         f"need temperature > 0 (distinct samples) and 0 < top_p <= 1")
@@ -81,7 +87,6 @@ class GRPO(Objective):
         rewards.resolve(name)
       except ValueError as e:
         raise ConfigError(f"grpo.reward_fns: {e}") from None
-    self._check_mesh_and_steps(config)
 
   def _check_lengths(self, config):
     g, t = self.settings, config.train

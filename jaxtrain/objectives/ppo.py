@@ -75,29 +75,8 @@ class PPO(GRPO):
     if config.precision.fp8_head:
       raise ConfigError("precision.fp8_head=True with train.objective='ppo': the language-model "
                         "loss only")
-    if g.temperature <= 0 or not 0 < g.top_p <= 1:
-      raise ConfigError(f"grpo.temperature={g.temperature}, grpo.top_p={g.top_p}: rollouts "
-                        f"need temperature > 0 and 0 < top_p <= 1")
-    self._check_lengths(config)
-    self._check_rewards()
+    self._check_rollouts(config)
     self._check_mesh_and_steps(config)
-
-  def _check_rewards(self):
-    from jaxtrain import rewards  # pylint: disable=import-outside-toplevel
-    from jaxtrain.config import REWARD_ERROR_POLICIES  # pylint: disable=import-outside-toplevel
-    g = self.settings
-    if g.on_reward_error not in REWARD_ERROR_POLICIES:
-      raise ConfigError(f"grpo.on_reward_error={g.on_reward_error!r}: choose "
-                        f"{' or '.join(REWARD_ERROR_POLICIES)}")
-    names = self.reward_fn_names()
-    if not names:
-      raise ConfigError("grpo.reward_fns='': name at least one reward function as "
-                        "'module:function', e.g. 'jaxtrain.rewards:exact_match'")
-    for name in names:
-      try:
-        rewards.resolve(name)
-      except ValueError as e:
-        raise ConfigError(f"grpo.reward_fns: {e}") from None
 
   def _check_mesh_and_steps(self, config):
     for axis in ("stage", "context"):
