@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 from jaxtrain.config import ConfigError
 from jaxtrain.data.global_stream import GlobalBatchStream
 from jaxtrain.data.shards import ShardedIterator
+from jaxtrain.models.variables import HEAD_NAMES
 
 GLOBAL_STREAM_FILE = "global_stream.json"
 
@@ -311,7 +312,7 @@ def _quiet_orbax():
 
 WEIGHTS_ITEM = "params"
 # Heads a model can have that a language model's weights lack: they start at zero.
-NEW_HEADS = ("score_D1", "value_D1")
+NEW_HEADS = HEAD_NAMES
 
 
 def saved_config(path: str) -> dict | None:

@@ -47,6 +47,9 @@ class Setup:
   objective: Objective = dataclasses.field(default_factory=LanguageModel)
   abstract_params: Any = None  # the trained params (or adapters), shapes with shardings
   frozen_shardings: Frozen | None = None
+  # LoRA with a score or value head: (fresh trainable params, plain params) -> the params with
+  # the heads' starting values from the plain ones (peft.heads_from_base); else None.
+  heads_from_base: Callable[[Any, Any], Any] | None = None
 
 
 def abstract_state(setup: Setup, seed: int = 0) -> TrainState:
@@ -97,7 +100,9 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
   tx = optim.make_optimizer(config)
   schedule = optim.learning_rate_schedule(config)
 
-  frozen_shardings, make_frozen = None, None
+  frozen_shardings, make_frozen, heads_from_base = None, None, None
+  if lora and (model_cfg.arch.score_head or model_cfg.arch.value_head):
+    heads_from_base = jax.jit(peft.heads_from_base, out_shardings=param_shardings)
   if lora:
     frozen_shardings = Frozen(base=rest_shardings)
     # The loaded base is not needed afterwards: its buffers become the frozen ones, unless
@@ -136,7 +141,8 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
                             param_shardings, mesh, frozen_shardings, batch_shardings)
   return Setup(mesh, model_cfg, graphdef, shardings, init_fn, state_from_params, train_step,
                eval_step, abstract_base, base_init_fn, make_frozen, objective,
-               abstract_params=abstract_params, frozen_shardings=frozen_shardings)
+               abstract_params=abstract_params, frozen_shardings=frozen_shardings,
+               heads_from_base=heads_from_base)
 
 
 def _bias_update_rate(model_cfg: ModelConfig) -> float:

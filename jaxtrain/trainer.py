@@ -315,6 +315,7 @@ def _restore_or_init(setup: Setup, ckpt: Checkpointer | None, train_iter, seed: 
       print(f"{what} from {source}{note}", flush=True)
     return params
 
+  fresh = state is None
   with jax.set_mesh(setup.mesh):
     if state is None:
       if lora:
@@ -330,7 +331,10 @@ def _restore_or_init(setup: Setup, ckpt: Checkpointer | None, train_iter, seed: 
               f"(no checkpoint.init_from): fine for a smoke test, meaningless for fine-tuning",
               flush=True)
       what = "frozen base weights" if lora else f"{setup.objective.name.upper()} reference weights"
-      state = state.replace(frozen=setup.make_frozen(base_params(what)))
+      base = base_params(what)
+      if fresh and setup.heads_from_base is not None:  # LoRA: the heads start from the base's
+        state = state.replace(params=setup.heads_from_base(state.params, base))
+      state = state.replace(frozen=setup.make_frozen(base))
   return state, step
 
 

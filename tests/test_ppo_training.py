@@ -70,7 +70,6 @@ def _ppo(**changes):
     ({"data.format": "preference"}, ["train.objective='ppo'", "data.format='preference'"]),
     ({"ppo.epochs": 0}, ["ppo.epochs=0", "at least 1"]),
     ({"ppo.lam": 1.5}, ["ppo.lam=1.5"]),
-    ({"lora.rank": 8}, ["lora.rank=8", "lora.rank=0"]),
     ({"train.steps": 10}, ["ppo.epochs x ppo.minibatches = 8", "train.steps=10"]),
     ({"mesh.context": 2}, ["mesh.context=2", "train.objective='ppo'"]),
 ])

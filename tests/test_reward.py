@@ -103,7 +103,6 @@ def _reward_config(**changes):
 
 @pytest.mark.parametrize("changes,words", [
     ({"data.format": "lm"}, ["train.objective='reward'", "data.format='lm'", "preference"]),
-    ({"lora.rank": 4}, ["lora.rank=4", "lora.rank=0"]),
     ({"reward.margin": -1.0}, ["reward.margin=-1.0", ">= 0"]),
 ])
 def test_settings_a_reward_model_cannot_train_with_are_one_line_errors(changes, words):

@@ -21,6 +21,7 @@ from jaxtrain.models import moe, mtp
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.layers import Block, attention_class, norm, param
 from jaxtrain.models.remat import remat_policy
+from jaxtrain.models.variables import Head
 from jaxtrain.parallel import context_parallel, layer_stack
 from jaxtrain.parallel.mesh import shard
 from jaxtrain.peft import lora as lora_lib
@@ -92,15 +93,16 @@ class Decoder(nnx.Module):
     self.final_norm = norm(cfg, a.d_model)
     if a.mtp_depth:  # multi-token prediction (models/mtp.py), after the layers in tree order
       self.mtp = nnx.List([mtp.PredictionModule(cfg, rngs) for _ in range(a.mtp_depth)])
+    # Under LoRA the heads are trained master weights beside the float32 adapters, whatever the
+    # frozen base's storage dtype (model.param_dtype).
+    head_dtype = jnp.dtype(jnp.float32 if cfg.peft.lora_rank else cfg.runtime.param_dtype)
     if a.score_head:  # a reward model: one score per position instead of the vocabulary
-      self.score_D1 = param(rngs, (a.d_model, 1), ("embed", None), a.init_std,
-                            jnp.dtype(cfg.runtime.param_dtype))
+      self.score_D1 = param(rngs, (a.d_model, 1), ("embed", None), a.init_std, head_dtype, Head)
     elif not a.tie_embeddings:
       self.head_DV = param(rngs, (a.d_model, a.vocab_size), ("embed", "vocab"), a.init_std,
                            jnp.dtype(cfg.runtime.param_dtype))
     if a.value_head:  # PPO's critic: one value per position, beside the vocabulary head
-      self.value_D1 = param(rngs, (a.d_model, 1), ("embed", None), a.init_std,
-                            jnp.dtype(cfg.runtime.param_dtype))
+      self.value_D1 = param(rngs, (a.d_model, 1), ("embed", None), a.init_std, head_dtype, Head)
 
   def values(self, x_BTD) -> jax.Array:
     """The value head on final-normed hidden states: [B, T] float32 (PPO's critic)."""

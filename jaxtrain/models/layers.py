@@ -36,9 +36,9 @@ from jaxtrain.peft.quantize import QuantizedWeight
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
-def param(rngs: nnx.Rngs, shape, names, std, dtype) -> nnx.Param:
+def param(rngs: nnx.Rngs, shape, names, std, dtype, variable=nnx.Param) -> nnx.Param:
   init = jax.nn.initializers.normal(stddev=std)
-  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names)
+  return variable(init(rngs.params(), shape, dtype), out_sharding=names)
 
 
 def _weight(cfg: ModelConfig, rngs: nnx.Rngs, shape, names, std, num_in: int = 1,

@@ -68,10 +68,6 @@ class PPO(GRPO):
       raise ConfigError(f"grpo.warmup_steps={g.warmup_steps} with train.objective='ppo': the "
                         f"supervised warm-up is GRPO's; run SFT first and start PPO from it "
                         f"(checkpoint.init_from)")
-    if config.lora.rank:
-      raise ConfigError(f"train.objective='ppo' with lora.rank={config.lora.rank}: the value "
-                        f"head must train beside the adapters, which LoRA here does not do yet; "
-                        f"train fully (lora.rank=0)")
     if config.precision.fp8_head:
       raise ConfigError("precision.fp8_head=True with train.objective='ppo': the language-model "
                         "loss only")

@@ -33,10 +33,6 @@ class RewardModel(Objective):
     if self.margin < 0 or self.center_coef < 0:
       raise ConfigError(f"reward.margin={self.margin}, reward.center_coef={self.center_coef}: "
                         f"both must be >= 0 (0 turns each off)")
-    if config.lora.rank:
-      raise ConfigError(f"train.objective='reward' with lora.rank={config.lora.rank}: the new "
-                        f"score head must train beside the adapters, which LoRA here does not "
-                        f"do yet; train the reward model fully (lora.rank=0)")
     if config.precision.fp8_head:
       raise ConfigError("precision.fp8_head=True with train.objective='reward': a reward model "
                         "has a score head, not the vocabulary head that option takes to FP8")

@@ -23,7 +23,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 # The decoder imports jaxtrain.peft (for project/adapters), so only the module object is bound
 # here; its attributes are looked up at call time, after both modules have loaded.
 from jaxtrain.models import decoder as decoder_lib
-from jaxtrain.models.variables import WEIGHTS, RouterBias
+from jaxtrain.models.variables import HEAD_NAMES, WEIGHTS, Head, RouterBias
 from jaxtrain.parallel.mesh import LOGICAL_RULES, MESH_AXES
 from jaxtrain.peft.lora import Adapter, ExpertLoRA, LoRA
 from jaxtrain.peft.quantize import QuantizedWeight
@@ -39,8 +39,23 @@ def plain_config(cfg):
 
 
 def trainable_filter(cfg):
-  """nnx filter of the variables that train: the adapters under LoRA, else every Param."""
-  return Adapter if cfg.peft.lora_rank > 0 else nnx.Param
+  """nnx filter of the variables that train: under LoRA the adapters and the objective's heads
+  (a reward model's score head, PPO's value head), else every Param."""
+  return nnx.Any(Adapter, Head) if cfg.peft.lora_rank > 0 else nnx.Param
+
+
+def heads_from_base(trainable, base_params):
+  """The trainable state of a LoRA model with its heads (score_D1, value_D1) taken from the
+  plain model's params `base_params`, cast to the heads' dtype: a base checkpoint's own head (a
+  reward model's), else the zeros `checkpoint.load_params` starts a new head at, or the seed's
+  random init of the base. Pure: jit it."""
+  flat = dict(nnx.to_flat_state(trainable))
+  for path, head in flat.items():
+    if len(path) == 1 and path[0] in HEAD_NAMES:
+      value = jnp.asarray(_value(base_params[path[0]]))
+      flat[path] = head.replace(value.astype(_value(head).dtype))
+  return nnx.from_flat_state(flat)
+
 
 
 def _abstract(cfg):
