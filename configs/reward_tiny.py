@@ -11,6 +11,12 @@ CPU device, 0.80 on 8 emulated ones). Start from a trained tiny run with
 left out, the score head starts at zero).
 
   python -m jaxtrain.main --config=configs/reward_tiny.py --workdir=runs/reward_tiny
+
+Its checkpoint at step 300 is a reward source for GRPO or PPO on the same prompts
+(examples/grpo/reverse.jsonl):
+
+  python -m jaxtrain.main --config=configs/grpo_tiny.py --workdir=runs/grpo_rm \
+      --config.grpo.reward_models=runs/reward_tiny
 """
 
 import os
@@ -34,6 +40,7 @@ def get_config():
   c.train.log_every = 20
   c.train.eval_every = 50
   c.train.eval_batches = 8
+  c.checkpoint.every_steps = 300  # the trained model, for grpo.reward_models
   c.optim.learning_rate = 5e-4
   c.optim.warmup_steps = 20
   c.optim.weight_decay = 0.0

@@ -279,6 +279,12 @@ def default_config() -> ml_collections.ConfigDict:
   c.grpo.top_p = 1.0
   # Comma-separated "module:function" names, rewards summed (jaxtrain.rewards shows the call).
   c.grpo.reward_fns = "jaxtrain.rewards:exact_match"
+  # Frozen reward models added to the functions' sum (jaxtrain.reward_models): comma-separated
+  # "PATH" or "PATH:WEIGHT" (weight 1 by default), each a run of train.objective='reward', a
+  # weights directory or a Hugging Face *ForSequenceClassification directory; scored on the
+  # devices, each batch of rollouts in one forward pass. Every source, function or model, is
+  # logged as reward_<name>_mean.
+  c.grpo.reward_models = ""
   # A reward function that raises or returns bad values: "stop" the run (one line naming it),
   # or "skip" that batch of rollouts and draw the next prompts (counted as reward_errors).
   c.grpo.on_reward_error = "stop"

@@ -12,9 +12,11 @@ from typing import Callable, Iterable
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from jaxtrain.parallel.mesh import batch_sharding
+from jaxtrain.parallel.mesh import BATCH_AXES, batch_sharding
 
 
 def to_global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
@@ -22,6 +24,15 @@ def to_global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str,
   global [B, ...] array split over (data, fsdp)."""
   return {k: jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim), v)
           for k, v in local_batch.items()}
+
+
+def local_rows(x: jax.Array, mesh: Mesh) -> np.ndarray:
+  """This process's rows of a global batch-sharded array, in the order it fed them (the
+  inverse of to_global_batch)."""
+  if jax.process_count() == 1:
+    return np.asarray(x)
+  spec = P(BATCH_AXES, *([None] * (x.ndim - 1)))
+  return np.asarray(multihost_utils.global_array_to_host_local_array(x, mesh, spec))
 
 
 def evaluate(setup, state, eval_batches: Iterable[dict]) -> dict[str, float]:

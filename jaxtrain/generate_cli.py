@@ -12,7 +12,6 @@ config's `data.tokenizer`; BOS is prepended when the tokenizer has one.
 
 from __future__ import annotations
 
-import os
 import sys
 
 from absl import app, flags, logging
@@ -30,35 +29,20 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 def load(checkpoint: str, config_path: str | None = None):
   """(model on one device's mesh, config) from any checkpoint form --checkpoint accepts."""
   import jax  # pylint: disable=import-outside-toplevel
-  import ml_collections  # pylint: disable=import-outside-toplevel
-  from jaxtrain import checkpoint as ckpt_lib  # pylint: disable=import-outside-toplevel
   from jaxtrain import run_weights  # pylint: disable=import-outside-toplevel
-  from jaxtrain.config import ConfigError, load_config_file  # pylint: disable=import-outside-toplevel
+  from jaxtrain.config import ConfigError  # pylint: disable=import-outside-toplevel
   from jaxtrain.parallel.mesh import make_mesh  # pylint: disable=import-outside-toplevel
-  from jaxtrain.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
 
-  if not os.path.isdir(checkpoint):
-    raise ConfigError(f"--checkpoint={checkpoint!r}: no such directory")
-  if os.path.exists(os.path.join(checkpoint, "config.json")) and not config_path:
-    from jaxtrain.interop import hf  # pylint: disable=import-outside-toplevel
-    return hf.load_model(checkpoint)
-  if config_path:
-    config = load_config_file(config_path)
-  else:
-    saved = ckpt_lib.saved_config(checkpoint)
-    if saved is not None:
-      config = ml_collections.ConfigDict(saved)
-    elif os.path.exists(os.path.join(checkpoint, "config.py")):
-      config = load_config_file(os.path.join(checkpoint, "config.py"))
-    else:
-      raise ConfigError(f"--checkpoint={checkpoint!r}: no saved config found; pass --config")
-  mesh = make_mesh(devices=jax.devices()[:1])
-  # Generation computes one token at a time: no remat, and the dense xla attention suffices.
-  config.model.remat_policy = "none"
-  cfg = ModelConfig.from_config(config).replace(attention_impl="xla")
-  # A LoRA run's adapters come merged into its base: generation runs the plain model.
-  model, _ = run_weights.load_plain_model(checkpoint, config, mesh, cfg)
-  return model, config
+  def for_generation(config):
+    # One token at a time: no remat, and the dense xla attention suffices.
+    config.model.remat_policy = "none"
+    config.attention.impl = "xla"
+  try:
+    return run_weights.load_model(checkpoint, make_mesh(devices=jax.devices()[:1]), config_path,
+                                  adjust=for_generation)
+  except ConfigError as e:
+    raise ConfigError(f"--checkpoint={e}" + ("; pass --config" if "no model config" in str(e)
+                                              else "")) from None
 
 
 def run(argv=None):

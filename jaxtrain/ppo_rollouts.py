@@ -27,7 +27,7 @@ from jaxtrain.feeders import to_global_batch
 from jaxtrain.objectives.base import reference_model
 from jaxtrain.objectives.ppo import ROLLOUT_KEYS
 from jaxtrain.parallel.mesh import batch_sharding, replicated
-from jaxtrain.rollouts import Rollouts, gather_rows, local_rows, training_rows
+from jaxtrain.rollouts import Rollouts, local_rows, training_rows
 from jaxtrain.train_step import merge_model
 
 
@@ -91,7 +91,8 @@ class PPORollouts(Rollouts):
     tokens_BN, completion_len_B, sampler_BN = self._complete(
         state, prompt_BP, lengths_B, key, self.sampling, with_logprobs=True)
     generation_s = time.perf_counter() - start
-    rewards_B, _, _ = self._score(records, prompt_BP, lengths_B, tokens_BN, completion_len_B)
+    rewards_B, by_source, _, _ = self._score(records, prompt_BP, lengths_B, tokens_BN,
+                                             completion_len_B)
     rows = training_rows(prompt_BP, lengths_B, tokens_BN, completion_len_B, self.seq_len,
                          sampler_BN)
     sampler_BT = rows.pop(grpo_lib.SAMPLER_LOGPROBS)
@@ -103,11 +104,7 @@ class PPORollouts(Rollouts):
       extra, stats = self._prepare(state.params, state.frozen, batch, device["sampler"],
                                    device["r"])
     rows.update({k: local_rows(v, mesh) for k, v in extra.items()})
-    # Statistics of the whole global batch, not of this process's rows.
-    everyone = gather_rows({"rewards": rewards_B, "lengths": completion_len_B}, mesh)
-    metrics = {"reward_mean": float(everyone["rewards"].mean()),
-               "reward_std": float(everyone["rewards"].std()),
-               "completion_len_mean": float(everyone["lengths"].mean()),
+    metrics = {**self.reward_metrics(rewards_B, by_source, completion_len_B),
                **{k: float(v) for k, v in jax.device_get(stats).items()}}
     self._rollout_step = step
     return rows, metrics, generation_s

@@ -53,8 +53,17 @@ def resolve(name: str) -> RewardFn:
 def score(fns: Sequence[tuple[str, RewardFn]], prompts: Sequence[str],
           completions: Sequence[str], columns: Mapping[str, Sequence]) -> np.ndarray:
   """The summed rewards [len(completions)] of the named functions, each result checked."""
+  total = np.zeros(len(completions), np.float64)
+  for values in score_each(fns, prompts, completions, columns):
+    total += values
+  return total
+
+
+def score_each(fns: Sequence[tuple[str, RewardFn]], prompts: Sequence[str],
+               completions: Sequence[str], columns: Mapping[str, Sequence]) -> list[np.ndarray]:
+  """Each named function's rewards (float64 [len(completions)]), each result checked."""
   n = len(completions)
-  total = np.zeros(n, np.float64)
+  each = []
   for name, fn in fns:
     try:
       out = fn(list(prompts), list(completions), **{k: list(v) for k, v in columns.items()})
@@ -73,8 +82,8 @@ def score(fns: Sequence[tuple[str, RewardFn]], prompts: Sequence[str],
     if bad is not None:
       raise RewardError(f"reward function {name} returned {values[bad]!r} for completion {bad} "
                         f"({_short(completions[bad])}); rewards must be finite")
-    total += values
-  return total
+    each.append(np.asarray(values, np.float64))
+  return each
 
 
 def _short(x, limit: int = 60) -> str:

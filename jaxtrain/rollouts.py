@@ -26,27 +26,18 @@ import time
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import PartitionSpec as P
 
 from jaxtrain import generate as generate_lib
 from jaxtrain import grpo as grpo_lib
-from jaxtrain import rewards
+from jaxtrain import reward_models, rewards
 from jaxtrain.data.documents import tokenizer_for
 from jaxtrain.data import prompts as prompts_lib
 from jaxtrain.data.sources.common import DataError
-from jaxtrain.feeders import Feeder, to_global_batch
-from jaxtrain.parallel.mesh import BATCH_AXES, batch_sharding, replicated
+from jaxtrain.feeders import Feeder, local_rows, to_global_batch
+from jaxtrain.parallel.mesh import batch_sharding, replicated
 from jaxtrain.train_step import merge_model
 
 COMPLETIONS_FILE = "completions.jsonl"
-
-
-def local_rows(x: jax.Array, mesh) -> np.ndarray:
-  """This process's rows of a global batch-sharded array, in the order it fed them."""
-  if jax.process_count() == 1:
-    return np.asarray(x)
-  spec = P(BATCH_AXES, *([None] * (x.ndim - 1)))
-  return np.asarray(multihost_utils.global_array_to_host_local_array(x, mesh, spec))
 
 
 def completion_lengths(tokens_BN: np.ndarray, eos_id: int | None) -> np.ndarray:
@@ -132,6 +123,12 @@ class Rollouts(Feeder):
         vocab_size=int(self.tokenizer.vocab_size))
     self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_p=1.0)
     self.reward_fns = [(name, rewards.resolve(name)) for name in objective.reward_fn_names()]
+    # Frozen reward models beside the functions (grpo.reward_models), on the run's mesh.
+    self.reward_models = [
+        reward_models.RewardModelScorer(spec, setup.mesh, row_length=self.seq_len,
+                                        hf_dtype=str(config.model.param_dtype))
+        for spec in objective.reward_model_specs()]
+    self.source_names = objective.reward_source_names()
     self.on_error, self.max_skipped = g.on_reward_error, int(g.max_skipped_batches)
     self.sample_prompts = int(g.sample_prompts)
     self.warmup_steps, self.warmup_column = int(g.warmup_steps), str(g.warmup_column)
@@ -193,23 +190,47 @@ class Rollouts(Feeder):
     return tokens_BN, lengths, local_rows(logprobs, mesh)
 
   def _score(self, records, prompt_BP, lengths_B, tokens_BN, completion_len_B):
-    """(rewards [B], prompt texts, completion texts) of this process's rows. Raises
+    """(rewards [B], {source name: its rewards [B]}, prompt texts, completion texts) of this
+    process's rows: the functions' sum plus each reward model's weighted score. Raises
     rewards.RewardError on every process when a reward function failed on any (so they all
     skip, or all stop, together)."""
     decode = self.tokenizer.decode
-    prompts = [decode(prompt_BP[i, :lengths_B[i]]) for i in range(len(records))]
-    completions = [decode(tokens_BN[i, :completion_len_B[i]]) for i in range(len(records))]
+    b = len(records)
+    prompts = [decode(prompt_BP[i, :lengths_B[i]]) for i in range(b)]
+    completions = [decode(tokens_BN[i, :completion_len_B[i]]) for i in range(b)]
+    # The reward models first: their forward pass is a collective every process must join,
+    # whether or not a function fails here.
+    eos = self.tokenizer.eos_id
+    ended_B = np.array([eos is not None and c > 0 and tokens_BN[i, c - 1] == eos
+                        for i, c in enumerate(completion_len_B)], bool)
+    by_model = [scorer(records, completions, ended_B) for scorer in self.reward_models]
     names = sorted({k for r in records for k in r if k != "prompt"})
     columns = {k: [r.get(k) for r in records] for k in names}
-    error = None
+    error, by_fn = None, []
     try:
-      scores = rewards.score(self.reward_fns, prompts, completions, columns)
+      by_fn = rewards.score_each(self.reward_fns, prompts, completions, columns)
     except rewards.RewardError as e:
       error = e
     if any_process(error is not None):
       raise error or rewards.RewardError(
           "a reward function failed on another process of this run (its output has the message)")
-    return scores, prompts, completions
+    total = np.zeros(b, np.float64)
+    for values in by_fn:
+      total += values
+    for scorer, values in zip(self.reward_models, by_model):
+      total += scorer.spec.weight * values
+    return total, dict(zip(self.source_names, by_fn + by_model)), prompts, completions
+
+  def _gather_scores(self, rewards_B, by_source, completion_len_B) -> dict[str, np.ndarray]:
+    """{"rewards", "lengths", "source_<name>"...: [B_global]}: the whole global batch's
+    (every process's rows), for statistics."""
+    return gather_rows({"rewards": rewards_B, "lengths": completion_len_B,
+                        **{f"source_{k}": v for k, v in by_source.items()}}, self.setup.mesh)
+
+  def reward_metrics(self, rewards_B, by_source, completion_len_B) -> dict[str, float]:
+    """The logged statistics of a batch of rollouts over the whole global batch: the reward's
+    mean and spread, each source's mean (reward_<name>_mean), the mean length."""
+    return _statistics(self._gather_scores(rewards_B, by_source, completion_len_B))
 
   def _reference_completions(self, records, indices_B):
     """(tokens [B, N], lengths [B]) of the records' warm-up column, EOS-terminated and cut to
@@ -256,18 +277,13 @@ class Rollouts(Feeder):
     tokens_BN, completion_len_B, logprobs_BN = self._complete(
         state, prompt_BP, lengths_B, key, self.sampling, with_logprobs=True)
     generation_s = time.perf_counter() - start
-    rewards_B, _, _ = self._score(records, prompt_BP, lengths_B, tokens_BN, completion_len_B)
+    rewards_B, by_source, _, _ = self._score(records, prompt_BP, lengths_B, tokens_BN,
+                                             completion_len_B)
     rows = training_rows(prompt_BP, lengths_B, tokens_BN, completion_len_B, self.seq_len,
                          logprobs_BN)
     rows["advantages"] = np.asarray(grpo_lib.group_advantages(rewards_B, g), np.float32)
     batch = self._device_batch(state, rows)
-    # Statistics of the whole global batch, not of this process's rows.
-    everyone = gather_rows({"rewards": rewards_B, "lengths": completion_len_B},
-                           self.setup.mesh)
-    metrics = {"reward_mean": float(everyone["rewards"].mean()),
-               "reward_std": float(everyone["rewards"].std()),
-               "completion_len_mean": float(everyone["lengths"].mean())}
-    return batch, metrics, generation_s
+    return batch, self.reward_metrics(rewards_B, by_source, completion_len_B), generation_s
 
   def _device_batch(self, state, rows):
     """The train step's batch of host rows; with num_iterations > 1 the sampling policy's
@@ -320,16 +336,15 @@ class Rollouts(Feeder):
   def evaluate(self, state, step: int, eval_batches):
     """Greedy completions of the eval prompts: their mean reward and length (no loss: GRPO has
     no held-out loss to report). The first grpo.sample_prompts go to completions.jsonl."""
-    all_rewards, all_lengths, samples = [], [], []
+    parts, samples = [], []
     for local in eval_batches:
       records = [self.eval_records[int(i)] for i in local["record_index"]]
       tokens_BN, completion_len_B = self._complete(
           state, local["prompt_ids"], local["prompt_lengths"], jax.random.key(self.seed),
           self.greedy)
       try:
-        rewards_B, prompts, completions = self._score(records, local["prompt_ids"],
-                                                       local["prompt_lengths"], tokens_BN,
-                                                       completion_len_B)
+        rewards_B, by_source, prompts, completions = self._score(
+            records, local["prompt_ids"], local["prompt_lengths"], tokens_BN, completion_len_B)
       except rewards.RewardError as e:
         if self.on_error != "skip":
           raise
@@ -337,16 +352,25 @@ class Rollouts(Feeder):
           print(f"warning: eval at step {step}: {e}; eval batch skipped", flush=True)
         continue
       # The whole eval batch's (every process's rows); the samples are process 0's rows.
-      everyone = gather_rows({"rewards": rewards_B, "lengths": completion_len_B},
-                             self.setup.mesh)
-      all_rewards.append(everyone["rewards"])
-      all_lengths.append(everyone["lengths"])
+      parts.append(self._gather_scores(rewards_B, by_source, completion_len_B))
       for p, c, r in zip(prompts, completions, rewards_B):
         if len(samples) < self.sample_prompts:
           samples.append({"step": step, "prompt": p, "completion": c, "reward": float(r)})
     if self.is_chief and samples:
       with open(os.path.join(self.workdir, COMPLETIONS_FILE), "a", encoding="utf-8") as f:
         f.writelines(json.dumps(s) + "\n" for s in samples)
-    mean = lambda parts: float(np.concatenate(parts).mean()) if parts else None
-    return {"eval_loss": None, "eval_reward_mean": mean(all_rewards),
-            "eval_completion_len_mean": mean(all_lengths)}
+    if not parts:
+      return {"eval_loss": None, "eval_reward_mean": None, "eval_completion_len_mean": None}
+    stats = _statistics({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+    del stats["reward_std"]
+    return {"eval_loss": None, **{f"eval_{k}": v for k, v in stats.items()}}
+
+
+def _statistics(scores: dict[str, np.ndarray]) -> dict[str, float]:
+  """reward_mean, reward_std, reward_<source>_mean and completion_len_mean of gathered scores."""
+  out = {"reward_mean": float(scores["rewards"].mean()),
+         "reward_std": float(scores["rewards"].std())}
+  out.update({f"reward_{k.removeprefix('source_')}_mean": float(v.mean())
+              for k, v in scores.items() if k.startswith("source_")})
+  out["completion_len_mean"] = float(scores["lengths"].mean())
+  return out

@@ -10,12 +10,15 @@ dequantized first under QLoRA. Either way the result is the tree of a plain Llam
 from __future__ import annotations
 
 import copy
+import os
 
 import jax
+import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
 from jaxtrain import checkpoint as ckpt_lib
+from jaxtrain.config import ConfigError, load_config_file
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import abstract_model, init_params_fn
 
@@ -60,3 +63,47 @@ def plain_run_config(config):
     plain.lora.rank = 0
     plain.lora.quantize_base = "none"
   return plain
+
+
+def model_config(checkpoint: str, config_path: str | None = None,
+                 hf_dtype: str = "float32") -> tuple[ml_collections.ConfigDict, bool]:
+  """(the config of the model at `checkpoint`, whether it is a Hugging Face directory), no
+  weights read. `checkpoint`: a run's workdir, checkpoints/ or step directory (the config the
+  run saved), a weights directory with its config.py (`python -m jaxtrain.interop.hf import`),
+  or a Hugging Face directory (config.json; its params in `hf_dtype`). `config_path` overrides
+  the config of a jaxtrain directory. ConfigError (one line) for anything else."""
+  if not os.path.isdir(checkpoint):
+    raise ConfigError(f"{checkpoint!r}: no such directory")
+  if os.path.exists(os.path.join(checkpoint, "config.json")) and not config_path:
+    from jaxtrain.interop import hf_config  # pylint: disable=import-outside-toplevel
+    return hf_config.to_jaxtrain_config(hf_config.read_hf_config(checkpoint),
+                                        os.path.abspath(checkpoint), hf_dtype), True
+  if config_path:
+    return load_config_file(config_path), False
+  try:
+    saved = ckpt_lib.saved_config(checkpoint)
+  except ConfigError:  # neither a run's checkpoint nor a weights directory
+    saved = None
+  if saved is not None:
+    return ml_collections.ConfigDict(saved), False
+  if os.path.exists(os.path.join(checkpoint, "config.py")):
+    return load_config_file(os.path.join(checkpoint, "config.py")), False
+  raise ConfigError(f"{checkpoint!r}: no model config found: not a run's workdir or checkpoint, "
+                    f"a weights directory with config.py, or a Hugging Face directory with "
+                    f"config.json")
+
+
+def load_model(checkpoint: str, mesh: Mesh, config_path: str | None = None, *,
+               hf_dtype: str = "float32", adjust=None) -> tuple[nnx.Module, ml_collections.ConfigDict]:
+  """(plain model sharded over `mesh`, its config) from any directory `model_config` takes; a
+  LoRA run's adapters come merged into its base. `adjust(config)`: changes to how the model
+  runs (remat, attention) made to the config before the model is built."""
+  config, is_hf = model_config(checkpoint, config_path, hf_dtype)
+  if adjust is not None:
+    adjust(config)
+  if is_hf:
+    from jaxtrain.interop import hf  # pylint: disable=import-outside-toplevel
+    config.model.mtp_depth = hf.prediction_modules(os.path.abspath(checkpoint), config)
+    return hf.load_weights(os.path.abspath(checkpoint), config, mesh=mesh), config
+  model, _ = load_plain_model(checkpoint, config, mesh)
+  return model, config

@@ -1,7 +1,9 @@
 """Test setup: 8 emulated CPU devices, configured before JAX initializes a backend."""
 
+import fcntl
 import gc
 import os
+import shutil
 
 import pytest
 
@@ -50,6 +52,24 @@ def shared_compilation_cache(tmp_path_factory):
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_enable_xla_caches", "all")
   return cache
+
+
+@pytest.fixture(scope="session")
+def reward_tiny_workdir(tmp_path_factory):
+  """configs/reward_tiny.py as shipped (300 steps, its checkpoint at the end), trained once for
+  the whole test run: the xdist workers share it through a lock in their common directory."""
+  from tests.helpers import run_cli  # pylint: disable=import-outside-toplevel
+  base = tmp_path_factory.getbasetemp()
+  root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+  workdir = root / "reward_tiny"
+  with open(root / "reward_tiny.lock", "w", encoding="utf-8") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (workdir / "trained").exists():
+      shutil.rmtree(workdir, ignore_errors=True)
+      proc = run_cli("--config=configs/reward_tiny.py", f"--workdir={workdir}")
+      assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+      (workdir / "trained").write_text("", encoding="utf-8")
+  return workdir
 
 
 def _start_order(item):

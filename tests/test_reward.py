@@ -110,13 +110,10 @@ def test_settings_a_reward_model_cannot_train_with_are_one_line_errors(changes, 
 
 
 @pytest.mark.slow(seconds=40)
-def test_reward_tiny_scores_held_out_pairs_well_above_chance(tmp_path):
+def test_reward_tiny_scores_held_out_pairs_well_above_chance(reward_tiny_workdir):
   """configs/reward_tiny.py as shipped: the held-out accuracy its docstring states (0.75 or more
-  at step 300), every reward metric in metrics.jsonl; then a language model's weights start a
-  reward model (vocabulary head left out, score head at zero: every first reward is 0)."""
-  workdir = tmp_path / "reward"
-  proc = run_cli("--config=configs/reward_tiny.py", f"--workdir={workdir}")
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  at step 300), every reward metric in metrics.jsonl."""
+  workdir = reward_tiny_workdir
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl", encoding="utf-8")]
   last_eval = [r for r in rows if "eval_accuracy" in r][-1]
   assert last_eval["step"] == 300 and last_eval["eval_accuracy"] >= 0.75, last_eval

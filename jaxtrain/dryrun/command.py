@@ -273,6 +273,8 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
       + (f" (trained {format_bytes(m.params - m.frozen)}, frozen {format_bytes(m.frozen)})"
          if m.frozen else ""),
       f"  optimizer state  {format_bytes(m.opt_device):>11}  exact (device memory)",
+      *([f"  reward models    {format_bytes(m.resident):>11}  exact, frozen weights "
+         f"(grpo.reward_models) scoring the rollouts between steps"] if m.resident else []),
       f"  batch            {format_bytes(m.batch):>11}  exact",
       f"  temporaries      {format_bytes(m.temp):>11}  from {_compiler_name(m)}"
       + (" (see the note)" if m.backend != m.platform else "")

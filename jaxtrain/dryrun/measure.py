@@ -83,6 +83,8 @@ class Measurement:
   offload_note: str = ""
   # Of `params`: weights that do not train (the LoRA/QLoRA base, the DPO reference), exact.
   frozen: int = 0
+  # Weights kept beside the train state (GRPO's reward models), exact; in `total`.
+  resident: int = 0
   # The buffers live at the memory peak (breakdown.py), when asked for; and the compiler's
   # memory_analysis() temporaries where `temp` comes from the buffer assignment instead.
   breakdown: breakdown_lib.Breakdown | None = None
@@ -92,7 +94,7 @@ class Measurement:
   @property
   def total(self) -> int:
     """Device memory the step needs per device: live state, batch, temporaries, new outputs."""
-    return self.params + self.opt_device + self.batch + self.temp + self.outputs
+    return self.params + self.opt_device + self.batch + self.temp + self.outputs + self.resident
 
 
 def _nbytes(shape, dtype) -> int:
@@ -317,7 +319,8 @@ def _compile_and_measure(config, devices, platform: str | None = None,
       flops=counted.flops, xla_flops=float(cost.get("flops", np.nan)),
       loops_without_trip_count=counted.loops_without_trip_count, compile_s=compile_s,
       param_shards=param_shards + frozen_shards, attention_note=attention_note,
-      frozen=exact.frozen, act_host=act_host, offload_note=offload_note,
+      frozen=exact.frozen, resident=setup.objective.resident_bytes(config, setup.mesh),
+      act_host=act_host, offload_note=offload_note,
       breakdown=found if with_breakdown else None, reported_temp=reported_temp, hlo=hlo)
 
 
@@ -337,7 +340,8 @@ def _refused(config, devices, platform, e: CompilerOutOfMemory, compile_s: float
       compiler_arguments=0, flops=0.0, xla_flops=np.nan, loops_without_trip_count=0,
       compile_s=compile_s, param_shards=shards,
       attention_note=f"{attention_note}; the compiler refused the program: {e}",
-      frozen=exact.frozen)
+      frozen=exact.frozen, resident=objectives.get(config).resident_bytes(
+          config, jax.tree.leaves(e.state.params)[0].sharding.mesh))
 
 
 def analytic_tokens_per_step(config) -> int:

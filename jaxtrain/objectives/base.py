@@ -98,6 +98,12 @@ class Objective(abc.ABC):
     """What `flops_per_step` adds to 6·N per token, for the dry run's FLOPs row ('' if none)."""
     return ""
 
+  def resident_bytes(self, config, mesh) -> int:
+    """Per-device bytes of weights the run keeps on the devices beside its train state (GRPO's
+    reward models), exact from their shardings over `mesh`: the dry run counts them."""
+    del config, mesh
+    return 0
+
   @abc.abstractmethod
   def loss_sums(self, graphdef, loss_chunk_size: int, *, training: bool = True) -> LossSums:
     """(`constants(params, frozen, batch)`, `loss_sums(params, frozen, batch, constants,

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain import grpo as grpo_lib
-from jaxtrain import rewards
+from jaxtrain import reward_models, rewards
 from jaxtrain.config import REWARD_ERROR_POLICIES, ConfigError
 from jaxtrain.models import moe
 from jaxtrain.objectives.base import Objective, reference_model
@@ -44,9 +44,23 @@ class GRPO(Objective):
     self.epsilon, self.beta = float(settings.epsilon), float(settings.beta)
     # With beta 0 the loss never reads the reference: no frozen copy, no extra forward.
     self.uses_reference = self.beta > 0
+    # Each reward source's mean is logged beside the total.
+    self.metric_names = type(self).metric_names + tuple(
+        f"reward_{name}_mean" for name in self.reward_source_names())
 
   def reward_fn_names(self) -> list[str]:
     return [n.strip() for n in str(self.settings.reward_fns).split(",") if n.strip()]
+
+  def reward_model_specs(self) -> list[reward_models.RewardModelSpec]:
+    return reward_models.parse_specs(self.settings.get("reward_models", ""))
+
+  def reward_source_names(self) -> list[str]:
+    """The metric names (reward_<name>_mean) of the reward functions, then the models."""
+    try:
+      specs = self.reward_model_specs()
+    except ConfigError:  # check() reports it
+      specs = []
+    return reward_models.source_names(self.reward_fn_names(), specs)
 
   def check(self, config):
     g = self.settings
@@ -78,15 +92,18 @@ class GRPO(Objective):
     if g.on_reward_error not in REWARD_ERROR_POLICIES:
       raise ConfigError(f"grpo.on_reward_error={g.on_reward_error!r}: choose "
                         f"{' or '.join(REWARD_ERROR_POLICIES)}")
-    names = self.reward_fn_names()
-    if not names:
-      raise ConfigError("grpo.reward_fns='': name at least one reward function as "
-                        "'module:function', e.g. 'jaxtrain.rewards:exact_match'")
+    names, specs = self.reward_fn_names(), self.reward_model_specs()
+    if not names and not specs:
+      raise ConfigError("grpo.reward_fns='' and grpo.reward_models='': name at least one reward "
+                        "function as 'module:function' (e.g. 'jaxtrain.rewards:exact_match') "
+                        "or a reward model's directory")
     for name in names:
       try:
         rewards.resolve(name)
       except ValueError as e:
         raise ConfigError(f"grpo.reward_fns: {e}") from None
+    for spec in specs:  # each names a reward model (its config read, not its weights)
+      reward_models.check(spec, str(config.model.param_dtype))
 
   def _check_lengths(self, config):
     g, t = self.settings, config.train
@@ -210,8 +227,17 @@ class GRPO(Objective):
         ("objective", f"GRPO, epsilon {g.epsilon}, beta {g.beta}, {g.num_iterations} "
                       f"update(s) per rollout batch; reference: {reference}"),
         ("rollouts", f"temperature {g.temperature}, top-p {g.top_p}; rewards "
-                     f"{', '.join(self.reward_fn_names())} (on error: {g.on_reward_error})"),
+                     f"{self.describe_rewards()} (on error: {g.on_reward_error})"),
     ]
+
+  def resident_bytes(self, config, mesh) -> int:
+    dtype = str(config.model.param_dtype)
+    return sum(reward_models.weight_bytes(spec, mesh, dtype) for spec in self.reward_model_specs())
+
+  def describe_rewards(self) -> str:
+    models = [f"reward model {s.path}" + (f" x {s.weight:g}" if s.weight != 1 else "")
+              for s in self.reward_model_specs()]
+    return ", ".join(self.reward_fn_names() + models)
 
   def make_feeder(self, config, setup, workdir):
     from jaxtrain import rollouts  # pylint: disable=import-outside-toplevel

@@ -149,7 +149,7 @@ class PPO(GRPO):
         ("rollouts", f"{t.global_batch_size * self.minibatches} prompts per batch of rollouts, "
                      f"{self.epochs} epochs × {self.minibatches} minibatches; temperature "
                      f"{g.temperature}, top-p {g.top_p}; rewards "
-                     f"{', '.join(self.reward_fn_names())} (on error: {g.on_reward_error})"),
+                     f"{self.describe_rewards()} (on error: {g.on_reward_error})"),
     ]
 
   def make_feeder(self, config, setup, workdir):
