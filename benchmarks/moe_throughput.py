@@ -73,8 +73,8 @@ def _step(kind: str, top_k: int, num_experts: int):
     routing = Routing(num_experts=num_experts, top_k=top_k, norm_topk_prob=True,
                       capacity_factor=cf, activation="silu", matmul_impl=impl,
                       dtype="float32")
-    out, stats = moe_layer(x, jnp.ones(x.shape[:2], bool), {"weight": router}, experts,
-                             routing)
+    out, stats, _ = moe_layer(x, jnp.ones(x.shape[:2], bool), {"weight": router}, experts,
+                              routing)
     return jnp.sum(out ** 2) + stats["aux_loss"]
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 

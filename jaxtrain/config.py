@@ -297,6 +297,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.grpo.warmup_column = "answer"
   # Each eval writes greedy completions of this many eval prompts to WORKDIR/completions.jsonl.
   c.grpo.sample_prompts = 4
+  # An MoE policy: the rollouts record every token's experts in every layer, and the trainer's
+  # forward passes over those rows use them instead of choosing again (routing replay), so a
+  # router that would choose differently in training (other numerics, other batch) cannot make
+  # the trained log-probs differ from the sampled ones. GRPO and PPO.
+  c.grpo.replay_routing = False
 
   # Proximal policy optimization (jaxtrain.ppo, docs/finetuning.md): one completion per prompt,
   # sampled and scored with the grpo group's rollout settings (max_new_tokens, temperature,

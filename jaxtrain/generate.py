@@ -91,7 +91,7 @@ def generate_tokens(model: Decoder, prompt_BP, lengths_B, key, sampling: Samplin
 
 
 def sample_continuations(model: Decoder, prompt_BP, lengths_B, key, sampling: SamplingConfig,
-                         *, with_logprobs: bool = False):
+                         *, with_logprobs: bool = False, with_routing: bool = False):
   """`generate_tokens` without its jit, for callers that trace it inside their own (the GRPO
   rollouts, which merge the model from the live sharded params).
 
@@ -100,11 +100,26 @@ def sample_continuations(model: Decoder, prompt_BP, lengths_B, key, sampling: Sa
   over the ids `sampling.vocab_size` allows (the tokenizer's; all the model's when None), before
   temperature and top-p shape the draw. That is what a trainer computes for the same token from
   the same weights (grpo.token_logprobs with the same vocab_limit), so the two can be compared
-  (`logprob_mismatch`). 0 after a row's EOS."""
+  (`logprob_mismatch`). 0 after a row's EOS.
+
+  `with_routing` (an MoE model): also the experts every layer chose for every position's token
+  as it went through the model, [num_layers, B, P + N, k] int32: position t < lengths_B[b] the
+  prompt's token t (prefill), position lengths_B[b] + i the i-th generated token (fed back to
+  produce the next; the last one never is). A training row of the prompt and its completion
+  has its tokens at the same positions, so the row's routing is these positions'
+  (`Decoder.hidden_states(routing_LBTK=)` replays it). Outputs come in the order tokens,
+  log-probs, routing, each only when asked for."""
   b, p = prompt_BP.shape
   n = sampling.max_new_tokens
   cache = model.empty_cache(b, p + n)
-  logits_BPV, cache = model.forward_with_cache(prompt_BP, jnp.zeros((b,), jnp.int32), cache)
+  routing_LBSK = None  # carried through the loop only when asked for
+  if with_routing:
+    logits_BPV, cache, routing_LBPK = model.forward_with_cache(
+        prompt_BP, jnp.zeros((b,), jnp.int32), cache, with_routing=True)
+    routing_LBSK = jnp.pad(routing_LBPK, ((0, 0), (0, 0), (0, n), (0, 0)))
+  else:
+    logits_BPV, cache = model.forward_with_cache(prompt_BP, jnp.zeros((b,), jnp.int32), cache)
+  rows_B = jnp.arange(b)
   last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
   out_BN = jnp.zeros((b, n), jnp.int32)
   logprobs_BN = jnp.zeros((b, n), jnp.float32)
@@ -115,7 +130,7 @@ def sample_continuations(model: Decoder, prompt_BP, lengths_B, key, sampling: Sa
   graphdef, state = nnx.split(model)
 
   def body(i, carry):
-    state, cache, last_BV, out_BN, logprobs_BN, done_B, key = carry
+    state, cache, last_BV, out_BN, logprobs_BN, routing_LBSK, done_B, key = carry
     key, draw = jax.random.split(key)
     token_B = sample_token(last_BV, draw, sampling.temperature, sampling.top_p,
                            sampling.vocab_size)
@@ -127,13 +142,20 @@ def sample_continuations(model: Decoder, prompt_BP, lengths_B, key, sampling: Sa
       logprob_B = jnp.take_along_axis(all_BV, token_B[:, None], axis=-1)[:, 0]
       logprobs_BN = logprobs_BN.at[:, i].set(jnp.where(done_B, 0.0, logprob_B))
     done_B = done_B | (token_B == eos)
-    logits_B1V, cache = nnx.merge(graphdef, state).forward_with_cache(token_B[:, None],
-                                                                      lengths_B + i, cache)
-    return state, cache, logits_B1V[:, 0], out_BN, logprobs_BN, done_B, key
+    model = nnx.merge(graphdef, state)
+    if with_routing:  # each row's token goes in at its own position
+      logits_B1V, cache, routing_LB1K = model.forward_with_cache(
+          token_B[:, None], lengths_B + i, cache, with_routing=True)
+      routing_LBSK = routing_LBSK.at[:, rows_B, lengths_B + i].set(routing_LB1K[:, :, 0])
+    else:
+      logits_B1V, cache = model.forward_with_cache(token_B[:, None], lengths_B + i, cache)
+    return state, cache, logits_B1V[:, 0], out_BN, logprobs_BN, routing_LBSK, done_B, key
 
-  carry = (state, cache, last_BV, out_BN, logprobs_BN, done_B, key)
+  carry = (state, cache, last_BV, out_BN, logprobs_BN, routing_LBSK, done_B, key)
   carry = jax.lax.fori_loop(0, n, body, carry)
-  return (carry[3], carry[4]) if with_logprobs else carry[3]
+  outputs = ((carry[3],) + ((carry[4],) if with_logprobs else ())
+             + ((carry[5],) if with_routing else ()))
+  return outputs if len(outputs) > 1 else outputs[0]
 
 
 def generate(model: Decoder, prompts: list[np.ndarray], sampling: SamplingConfig,

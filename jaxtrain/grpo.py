@@ -25,6 +25,11 @@ OLD_LOGPROBS = "old_logprobs"
 # sampled (prompt, padding, a warm-up's reference completion). Any objective trained on sampled
 # rollouts (GRPO; PPO later) carries it and reports LOGPROB_MISMATCH.
 SAMPLER_LOGPROBS = "sampler_logprobs"
+# With grpo.replay_routing (an MoE policy): each row's experts as the rollout's forward pass
+# chose them, [B, T, num_layers, k] int32, -1 where nothing was recorded (the prompt's padding,
+# a warm-up's reference completion: those tokens choose their own). The policy's forward passes
+# over the row replay them (token_logprobs); the reference's do not (it is another model).
+ROUTING = "routing"
 LOGPROB_MISMATCH = "logprob_mismatch"
 
 # Metrics grpo_sums returns as sums over sequences (divided by the count like the loss).
@@ -121,11 +126,18 @@ def token_logprobs(model, batch, *, chunk_size: int = 512, dropout_key=None,
   reward it. `with_values`: (log-probs, the value head's values [B, T]) from the same pass
   (PPO)."""
   kwargs = {} if dropout_key is None else {"dropout_key": dropout_key}  # LoRA dropout
+  if batch.get(ROUTING) is not None:  # the rollout's experts, replayed (ROUTING above)
+    kwargs["routing_LBTK"] = jnp.moveaxis(batch[ROUTING], 2, 0)
   x_BTD = model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"], **kwargs)
   w, vocab_axis = model.head()
   logprobs_BT = -token_cross_entropy(x_BTD, w, batch["targets"], chunk_size, vocab_axis,
                                      vocab_limit)
   return (logprobs_BT, model.values(x_BTD)) if with_values else logprobs_BT
+
+
+def without_routing(batch):
+  """The batch without the rollout's routing: for the reference, which routes for itself."""
+  return {k: v for k, v in batch.items() if k != ROUTING}
 
 
 def in_layout(model, batch):

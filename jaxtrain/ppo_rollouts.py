@@ -56,8 +56,8 @@ class PPORollouts(Rollouts):
       mask_BT = batch["loss_mask"]
       if kl_coef:
         reference = reference_model(graphdef, params, frozen)
-        ref_BT = grpo_lib.token_logprobs(reference, batch, chunk_size=chunk,
-                                         vocab_limit=vocab_limit)
+        ref_BT = grpo_lib.token_logprobs(reference, grpo_lib.without_routing(batch),
+                                         chunk_size=chunk, vocab_limit=vocab_limit)
       else:
         ref_BT = old_BT
       rewards_BT = ppo_lib.token_rewards(rewards_B, old_BT, ref_BT, mask_BT, kl_coef)
@@ -72,7 +72,8 @@ class PPORollouts(Rollouts):
       rows = {"old_logprobs": old_BT, "old_values": values_BT * mask_BT,
               "advantages": ppo_lib.whiten(advantages_BT, mask_BT), "returns": returns_BT}
       return rows, stats
-    token = {k: batch_sharding(setup.mesh) for k in grpo_lib.TOKEN_KEYS}
+    token = {k: batch_sharding(setup.mesh, 4 if k == grpo_lib.ROUTING else 2)
+             for k in self.objective.row_keys}
     return jax.jit(prepare, in_shardings=(setup.shardings.params, setup.frozen_shardings, token,
                                           batch_sharding(setup.mesh),
                                           batch_sharding(setup.mesh, 1)),
@@ -88,13 +89,14 @@ class PPORollouts(Rollouts):
       key = jax.random.fold_in(key, attempt)
     jax.block_until_ready(state.params)  # the last step's update: not generation time
     start = time.perf_counter()
-    tokens_BN, completion_len_B, sampler_BN = self._complete(
-        state, prompt_BP, lengths_B, key, self.sampling, with_logprobs=True)
+    tokens_BN, completion_len_B, sampler_BN, routing = self._complete(
+        state, prompt_BP, lengths_B, key, self.sampling, with_logprobs=True,
+        with_routing=self.objective.replay_routing)
     generation_s = time.perf_counter() - start
     rewards_B, by_source, _, _ = self._score(records, prompt_BP, lengths_B, tokens_BN,
                                              completion_len_B)
     rows = training_rows(prompt_BP, lengths_B, tokens_BN, completion_len_B, self.seq_len,
-                         sampler_BN)
+                         sampler_BN, routing)
     sampler_BT = rows.pop(grpo_lib.SAMPLER_LOGPROBS)
     mesh = self.setup.mesh
     batch = to_global_batch(rows, mesh)

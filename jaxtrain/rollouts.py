@@ -24,6 +24,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -51,14 +52,20 @@ def completion_lengths(tokens_BN: np.ndarray, eos_id: int | None) -> np.ndarray:
 
 def training_rows(prompt_BP: np.ndarray, prompt_len_B: np.ndarray, tokens_BN: np.ndarray,
                   completion_len_B: np.ndarray, seq_len: int,
-                  sampler_logprobs_BN: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                  sampler_logprobs_BN: np.ndarray | None = None,
+                  routing_BSLK: np.ndarray | None = None) -> dict[str, np.ndarray]:
   """The language-model rows of prompt + completion, [B, seq_len] each: position t predicts
   token t+1, and the loss mask marks the targets that are completion tokens.
 
   With `sampler_logprobs_BN` (generate.sample_continuations' with_logprobs), also
   grpo_lib.SAMPLER_LOGPROBS: the sampler's log-prob of each completion token at the position
   that predicts it, like the trainer's per-token log-probs; NaN elsewhere (`no_sampler_logprobs`
-  for rows whose completions were not sampled)."""
+  for rows whose completions were not sampled).
+
+  With `routing_BSLK` (generate.sample_continuations' with_routing, batch first: [B, P + N,
+  layers, k]), also grpo_lib.ROUTING [B, seq_len, layers, k]: the experts the rollout chose for
+  each input token (row position t is the token the rollout fed at position t), -1 past the
+  row's end."""
   b = prompt_BP.shape[0]
   rows = {"inputs": np.zeros((b, seq_len), np.int32), "targets": np.zeros((b, seq_len), np.int32),
           "loss_mask": np.zeros((b, seq_len), np.float32),
@@ -66,6 +73,8 @@ def training_rows(prompt_BP: np.ndarray, prompt_len_B: np.ndarray, tokens_BN: np
           "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (b, seq_len)).copy()}
   if sampler_logprobs_BN is not None:
     rows.update(no_sampler_logprobs(b, seq_len))
+  if routing_BSLK is not None:
+    rows.update(no_routing(b, seq_len, *routing_BSLK.shape[2:]))
   for i in range(b):
     p, c = int(prompt_len_B[i]), int(completion_len_B[i])
     z = np.concatenate([prompt_BP[i, :p], tokens_BN[i, :c]])
@@ -76,7 +85,15 @@ def training_rows(prompt_BP: np.ndarray, prompt_len_B: np.ndarray, tokens_BN: np
     rows["loss_mask"][i, p - 1:m] = 1.0  # targets p .. p+c-1: the completion
     if sampler_logprobs_BN is not None:
       rows[grpo_lib.SAMPLER_LOGPROBS][i, p - 1:m] = sampler_logprobs_BN[i, :c]
+    if routing_BSLK is not None:
+      rows[grpo_lib.ROUTING][i, :m] = routing_BSLK[i, :m]
   return rows
+
+
+def no_routing(b: int, seq_len: int, layers: int, k: int) -> dict[str, np.ndarray]:
+  """{grpo_lib.ROUTING: -1 [b, seq_len, layers, k]}: nothing recorded, every token chooses its
+  own experts (a warm-up's rows)."""
+  return {grpo_lib.ROUTING: np.full((b, seq_len, layers, k), -1, np.int32)}
 
 
 def no_sampler_logprobs(b: int, seq_len: int) -> dict[str, np.ndarray]:
@@ -129,6 +146,7 @@ class Rollouts(Feeder):
                                         hf_dtype=str(config.model.param_dtype))
         for spec in objective.reward_model_specs()]
     self.source_names = objective.reward_source_names()
+    self.routing_dims = (int(config.model.num_layers), int(config.moe.experts_per_token))
     self.on_error, self.max_skipped = g.on_reward_error, int(g.max_skipped_batches)
     self.sample_prompts = int(g.sample_prompts)
     self.warmup_steps, self.warmup_column = int(g.warmup_steps), str(g.warmup_column)
@@ -142,21 +160,28 @@ class Rollouts(Feeder):
 
   # -- jitted pieces ------------------------------------------------------------------------------
 
-  def _jit_generate(self, sampling, with_logprobs: bool):
-    if (sampling, with_logprobs) not in self._generate:
+  def _jit_generate(self, sampling, with_logprobs: bool, with_routing: bool = False):
+    signature = (sampling, with_logprobs, with_routing)
+    if signature not in self._generate:
       setup, mesh = self.setup, self.setup.mesh
       graphdef = setup.graphdef
 
       def sample(params, frozen, prompt_BP, lengths_B, key):
         model = merge_model(graphdef, params, frozen)
-        return generate_lib.sample_continuations(model, prompt_BP, lengths_B, key, sampling,
-                                                 with_logprobs=with_logprobs)
-      out = batch_sharding(mesh)
-      self._generate[sampling, with_logprobs] = jax.jit(
+        out = generate_lib.sample_continuations(model, prompt_BP, lengths_B, key, sampling,
+                                                with_logprobs=with_logprobs,
+                                                with_routing=with_routing)
+        if with_routing:  # [L, B, S, k] -> [B, S, L, k]: batch first, like every row array
+          out = (*out[:-1], jnp.transpose(out[-1], (1, 2, 0, 3)))
+        return out
+      rows = batch_sharding(mesh)
+      outs = (rows,) + ((rows,) if with_logprobs else ()) + (
+          (batch_sharding(mesh, 4),) if with_routing else ())
+      self._generate[signature] = jax.jit(
           sample, in_shardings=(setup.shardings.params, setup.frozen_shardings,
                                 batch_sharding(mesh), batch_sharding(mesh, 1), replicated(mesh)),
-          out_shardings=(out, out) if with_logprobs else out)
-    return self._generate[sampling, with_logprobs]
+          out_shardings=outs if len(outs) > 1 else outs[0])
+    return self._generate[signature]
 
   def _jit_old_logprobs(self):
     setup, chunk = self.setup, self.loss_chunk_size
@@ -167,27 +192,32 @@ class Rollouts(Feeder):
       model = merge_model(graphdef, params, frozen)
       return grpo_lib.token_logprobs(model, batch, chunk_size=chunk,
                                      vocab_limit=self.objective.vocab_limit)
-    shardings = {k: batch_sharding(setup.mesh) for k in grpo_lib.TOKEN_KEYS}
+    shardings = {k: batch_sharding(setup.mesh, 4 if k == grpo_lib.ROUTING else 2)
+                 for k in self.objective.row_keys}
     return jax.jit(old_logprobs, in_shardings=(setup.shardings.params, setup.frozen_shardings,
                                                shardings),
                    out_shardings=batch_sharding(setup.mesh))
 
   # -- one batch of rollouts ----------------------------------------------------------------------
 
-  def _complete(self, state, prompt_BP, lengths_B, key, sampling, with_logprobs=False):
+  def _complete(self, state, prompt_BP, lengths_B, key, sampling, with_logprobs=False,
+                with_routing=False):
     """(completion tokens [B, N], their lengths [B]) of this process's rows; with
-    `with_logprobs`, a third item: the sampler's log-probs of the tokens [B, N]."""
+    `with_logprobs`, a third item: the sampler's log-probs of the tokens [B, N]; and then with
+    `with_logprobs` a fourth: the experts chosen at every position [B, P + N, layers, k] when
+    `with_routing`, else None."""
     mesh = self.setup.mesh
     inputs = to_global_batch({"prompt": prompt_BP, "lengths": lengths_B}, mesh)
     with jax.set_mesh(mesh):
-      out = self._jit_generate(sampling, with_logprobs)(state.params, state.frozen,
-                                                        inputs["prompt"], inputs["lengths"], key)
-    tokens, logprobs = out if with_logprobs else (out, None)
-    tokens_BN = local_rows(tokens, mesh)
+      out = self._jit_generate(sampling, with_logprobs, with_routing)(
+          state.params, state.frozen, inputs["prompt"], inputs["lengths"], key)
+    out = out if isinstance(out, tuple) else (out,)
+    tokens_BN = local_rows(out[0], mesh)
     lengths = completion_lengths(tokens_BN, sampling.eos_id)
     if not with_logprobs:
       return tokens_BN, lengths
-    return tokens_BN, lengths, local_rows(logprobs, mesh)
+    routing = local_rows(out[2], mesh) if with_routing else None
+    return tokens_BN, lengths, local_rows(out[1], mesh), routing
 
   def _score(self, records, prompt_BP, lengths_B, tokens_BN, completion_len_B):
     """(rewards [B], {source name: its rewards [B]}, prompt texts, completion texts) of this
@@ -259,6 +289,8 @@ class Rollouts(Feeder):
     tokens_BN, completion_len_B = self._reference_completions(records, indices_B)
     rows = training_rows(prompt_BP, lengths_B, tokens_BN, completion_len_B, self.seq_len)
     rows.update(no_sampler_logprobs(len(records), self.seq_len))
+    if self.objective.replay_routing:  # not sampled: every token routes itself
+      rows.update(no_routing(len(records), self.seq_len, *self.routing_dims))
     rows["advantages"] = np.ones(len(records), np.float32)
     return rows
 
@@ -274,13 +306,14 @@ class Rollouts(Feeder):
       key = jax.random.fold_in(key, attempt)
     jax.block_until_ready(state.params)  # the last step's update: not generation time
     start = time.perf_counter()
-    tokens_BN, completion_len_B, logprobs_BN = self._complete(
-        state, prompt_BP, lengths_B, key, self.sampling, with_logprobs=True)
+    tokens_BN, completion_len_B, logprobs_BN, routing = self._complete(
+        state, prompt_BP, lengths_B, key, self.sampling, with_logprobs=True,
+        with_routing=self.objective.replay_routing)
     generation_s = time.perf_counter() - start
     rewards_B, by_source, _, _ = self._score(records, prompt_BP, lengths_B, tokens_BN,
                                              completion_len_B)
     rows = training_rows(prompt_BP, lengths_B, tokens_BN, completion_len_B, self.seq_len,
-                         logprobs_BN)
+                         logprobs_BN, routing)
     rows["advantages"] = np.asarray(grpo_lib.group_advantages(rewards_B, g), np.float32)
     batch = self._device_batch(state, rows)
     return batch, self.reward_metrics(rewards_B, by_source, completion_len_B), generation_s
@@ -292,7 +325,7 @@ class Rollouts(Feeder):
     if self._old_logprobs is not None:
       with jax.set_mesh(self.setup.mesh):
         batch[grpo_lib.OLD_LOGPROBS] = self._old_logprobs(
-            state.params, state.frozen, {k: batch[k] for k in grpo_lib.TOKEN_KEYS})
+            state.params, state.frozen, {k: batch[k] for k in self.objective.row_keys})
     return batch
 
   def next_batch(self, state, step: int, next_local):

@@ -100,7 +100,8 @@ def _experts(w_gate, w_up, w_down):
 
 
 def _call(routing):
-  return jax.jit(lambda x, m, r, *w: moe_layer(x, m, {"weight": r}, _experts(*w), routing))
+  """The jitted layer: (out, statistics), the chosen experts left out."""
+  return jax.jit(lambda x, m, r, *w: moe_layer(x, m, {"weight": r}, _experts(*w), routing)[:2])
 
 
 def _routing(norm=True, capacity_factor=0.0, impl="blocked"):
@@ -112,8 +113,8 @@ def _routing(norm=True, capacity_factor=0.0, impl="blocked"):
 @pytest.mark.parametrize("impl", ["blocked", "ragged"])
 def test_dropless_block_equals_each_tokens_experts_applied_one_by_one(norm, impl):
   x, mask, router, wg, wu, wd = _inputs()
-  out, stats = jax.jit(lambda x, m, r, *w: moe_layer(x, m, {"weight": r}, _experts(*w),
-                                                     _routing(norm, impl=impl)))(
+  out, stats, _ = jax.jit(lambda x, m, r, *w: moe_layer(x, m, {"weight": r}, _experts(*w),
+                                                        _routing(norm, impl=impl)))(
       x, mask, router, wg, wu, wd)
   want, _ = _per_token_reference(x, router, wg, wu, wd, norm)
   np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
@@ -194,7 +195,7 @@ def test_router_statistics_follow_their_formulas():
 
 
 def _loss(x, mask, router, wg, wu, wd, routing):
-  out, stats = moe_layer(x, mask, {"weight": router}, _experts(wg, wu, wd), routing)
+  out, stats, _ = moe_layer(x, mask, {"weight": router}, _experts(wg, wu, wd), routing)
   return jnp.sum(out ** 2) + stats["aux_loss"] + stats["z_loss"]
 
 

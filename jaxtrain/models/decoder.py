@@ -168,7 +168,7 @@ class Decoder(nnx.Module):
                                       self.cfg.parallel.context_load_balance)
 
   def hidden_states(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
-                    dropout_key=None) -> jax.Array:
+                    dropout_key=None, routing_LBTK=None) -> jax.Array:
     """Final-normed hidden states [B, T, D]; the loss applies the head in chunks.
 
     Under a mesh whose `context` axis splits the sequence, the inputs must already be in its
@@ -178,9 +178,12 @@ class Decoder(nnx.Module):
     gets its own key from it, and each adapter folds in its projection's index.
 
     An MoE model reports its layers' router statistics to the objective that collects them
-    (models/moe.collect_router_stats).
+    (models/moe.collect_router_stats). `routing_LBTK` [num_layers, B, T, k]: each MoE layer's
+    experts for each token, replayed instead of chosen (a rollout's, recorded by
+    `forward_with_cache(..., with_routing=True)`; dense layers' rows unread).
     """
-    return self._forward(tokens_BT, positions_BT, segment_ids_BT, dropout_key)[0]
+    return self._forward(tokens_BT, positions_BT, segment_ids_BT, dropout_key,
+                         routing_LBTK=routing_LBTK)[0]
 
   def hidden_states_with_predictions(self, tokens_BT, positions_BT=None, segment_ids_BT=None,
                                      *, dropout_key=None) -> tuple[jax.Array, list[jax.Array]]:
@@ -189,7 +192,8 @@ class Decoder(nnx.Module):
     t + k); their router statistics are reported with the main layers'."""
     return self._forward(tokens_BT, positions_BT, segment_ids_BT, dropout_key, predictions=True)
 
-  def _forward(self, tokens_BT, positions_BT, segment_ids_BT, dropout_key, predictions=False):
+  def _forward(self, tokens_BT, positions_BT, segment_ids_BT, dropout_key, predictions=False,
+               routing_LBTK=None):
     cfg = self.cfg
     b, t = tokens_BT.shape
     if positions_BT is None:
@@ -206,6 +210,8 @@ class Decoder(nnx.Module):
       layer_inputs = {}
       if dropout_keys is not None:
         layer_inputs["dropout_key"] = dropout_keys[start:end]
+      if routing_LBTK is not None:
+        layer_inputs["routing"] = routing_LBTK[start:end]
       if (sliding := self._layer_types(start, end)) is not None:
         layer_inputs["sliding"] = sliding
       x_BTD, layer_stats = layer_stack.run_layers(layers, x_BTD, positions_BT, segment_ids_BT,
@@ -238,21 +244,28 @@ class Decoder(nnx.Module):
             for name, (shape, names) in attention_class(a).cache_shapes(a, batch,
                                                                         length).items()}
 
-  def forward_with_cache(self, tokens_BC, start_B, cache):
+  def forward_with_cache(self, tokens_BC, start_B, cache, *, with_routing: bool = False):
     """(float32 logits [B, C, V], updated cache) for C new tokens per row at positions
-    start_B + [0, C): the decode step of generation and the GRPO rollouts."""
+    start_B + [0, C): the decode step of generation and the GRPO rollouts. `with_routing`: a
+    third item, each layer's chosen experts [num_layers, B, C, k] int32 (zeros for dense
+    layers; an MoE model's), what `hidden_states(routing_LBTK=)` replays."""
     cfg = self.cfg
     positions_BC = start_B[:, None] + jnp.arange(tokens_BC.shape[1], dtype=jnp.int32)[None]
     x_BCD = self._embed(self.embed_VD[...].astype(cfg.runtime.dtype), tokens_BC)
+    b, c = tokens_BC.shape
+    no_experts = lambda n: jnp.zeros((n, b, c, max(cfg.arch.experts_per_token, 1)), jnp.int32)
     if not cfg.runtime.scan_layers:
-      layer_caches = []
+      layer_caches, routing = [], []
       for i, block in enumerate(self.layers):
-        x_BCD, layer_cache = block.decode(x_BCD, positions_BC,
-                                          {k: v[i] for k, v in cache.items()}, start_B)
+        x_BCD, layer_cache, experts_BCK = block.decode(x_BCD, positions_BC,
+                                                       {k: v[i] for k, v in cache.items()},
+                                                       start_B)
         layer_caches.append(layer_cache)
+        routing.append(no_experts(1)[0] if experts_BCK is None else experts_BCK)
       new_cache = jax.tree.map(lambda *c: jnp.stack(c), *layer_caches)
+      routing_LBCK = jnp.stack(routing)
     else:
-      stack_caches = []
+      stack_caches, routing = [], []
       stacks = self._stacks()
       for layers, start, end in stacks:
         sliding = self._layer_types(start, end)
@@ -264,15 +277,21 @@ class Decoder(nnx.Module):
                   out_axes=(nnx.Carry, 0),
                   transform_metadata={nnx.PARTITION_NAME: "layers"})
         def run_stack(x_BCD, block, layer_cache, sliding):
-          return block.decode(x_BCD, positions_BC, layer_cache, start_B, sliding)
+          x_BCD, layer_cache, experts_BCK = block.decode(x_BCD, positions_BC, layer_cache,
+                                                         start_B, sliding)
+          return x_BCD, (layer_cache, experts_BCK)
 
-        x_BCD, stack_cache = run_stack(x_BCD, layers, stack_cache, sliding)
+        x_BCD, (stack_cache, experts_LBCK) = run_stack(x_BCD, layers, stack_cache, sliding)
         stack_caches.append(stack_cache)
+        routing.append(no_experts(end - start) if experts_LBCK is None else experts_LBCK)
       new_cache = (stack_caches[0] if len(stack_caches) == 1
                    else jax.tree.map(lambda *c: jnp.concatenate(c), *stack_caches))
+      routing_LBCK = jnp.concatenate(routing)
     x_BCD = self.final_norm(x_BCD)
     logits_BCV = jnp.einsum("BCD,DV->BCV", x_BCD, self.head_weights(),
                             preferred_element_type=jnp.float32)
+    if with_routing:
+      return logits_BCV, new_cache, routing_LBCK
     return logits_BCV, new_cache
 
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *,

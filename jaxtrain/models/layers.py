@@ -292,8 +292,9 @@ class MoE(nnx.Module):
         scaling_factor=a.routed_scaling_factor,
         sequence_balance=rt.moe_seq_aux_loss_coef > 0, precision=rt.matmul_precision)
 
-  def __call__(self, x_BTD, mask_BT):
-    """(out_BTD, the layer's router statistics); `mask_BT`: the tokens the statistics count."""
+  def __call__(self, x_BTD, mask_BT, routing_BTK=None):
+    """(out_BTD, the layer's router statistics, the chosen experts [B, T, k]); `mask_BT`: the
+    tokens the statistics count; `routing_BTK`: experts to replay instead of choosing them."""
     dtype = self.routing.dtype
     experts = {}
     for name, weight, lora in (("gate", self.w_gate_XDF, self.lora_gate),
@@ -306,11 +307,12 @@ class MoE(nnx.Module):
     router = {"weight": self.router_DX[...]}
     if self.router_bias_X is not None:
       router["bias"] = self.router_bias_X[...]
-    out_BTD, stats = moe_lib.moe_layer(x_BTD, mask_BT, router, experts, self.routing)
+    out_BTD, stats, experts_BTK = moe_lib.moe_layer(x_BTD, mask_BT, router, experts,
+                                                    self.routing, routing_BTK)
     if self.shared is not None:
       out_BTD = out_BTD + self.shared(x_BTD)
     return checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")),
-                           "mlp_down"), stats
+                           "mlp_down"), stats, experts_BTK
 
 
 def attention_class(arch):
@@ -337,29 +339,36 @@ class Block(nnx.Module):
     self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
     self.post_mlp_norm = norm(cfg, d) if sandwich else None
 
-  def _mlp_residual(self, x_BTD, mask_BT=None, dropout_key=None):
+  def _mlp_residual(self, x_BTD, mask_BT=None, dropout_key=None, routing_BTK=None):
+    """(x + the feed-forward block's output, router statistics, the chosen experts [B, T, k]);
+    the statistics empty and the experts None for a dense block."""
     if isinstance(self.mlp, MoE):
       if mask_BT is None:
         mask_BT = jnp.ones(x_BTD.shape[:2], bool)
-      out_BTD, stats = self.mlp(self.mlp_norm(x_BTD), mask_BT)
+      out_BTD, stats, experts_BTK = self.mlp(self.mlp_norm(x_BTD), mask_BT, routing_BTK)
     else:
-      out_BTD, stats = self.mlp(self.mlp_norm(x_BTD), dropout_key), {}
+      out_BTD, stats, experts_BTK = self.mlp(self.mlp_norm(x_BTD), dropout_key), {}, None
     if self.post_mlp_norm is not None:
       out_BTD = self.post_mlp_norm(out_BTD)
-    return x_BTD + out_BTD, stats
+    return x_BTD + out_BTD, stats, experts_BTK
 
   def _attn_residual(self, x_BTD, out_BTD):
     if self.post_attn_norm is not None:
       out_BTD = self.post_attn_norm(out_BTD)
     return x_BTD + out_BTD
 
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None, sliding=None):
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None, sliding=None,
+               routing=None):
+    """(x_BTD, router statistics); `routing` [B, T, k]: an MoE block's experts to replay."""
     out_BTD = self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, dropout_key, sliding)
     mask_BT = None if segment_ids_BT is None else segment_ids_BT > 0  # padding routes, uncounted
-    return self._mlp_residual(self._attn_residual(x_BTD, out_BTD), mask_BT, dropout_key)
+    x_BTD, stats, _ = self._mlp_residual(self._attn_residual(x_BTD, out_BTD), mask_BT,
+                                         dropout_key, routing)
+    return x_BTD, stats
 
   def decode(self, x_BCD, positions_BC, cache, start_B, sliding=None):
+    """(x_BCD, updated cache, the chosen experts [B, C, k] or None for a dense block)."""
     out_BCD, cache = self.attn.decode(self.attn_norm(x_BCD), positions_BC, cache, start_B,
                                       sliding)
-    x_BCD, _ = self._mlp_residual(self._attn_residual(x_BCD, out_BCD))
-    return x_BCD, cache
+    x_BCD, _, experts_BCK = self._mlp_residual(self._attn_residual(x_BCD, out_BCD))
+    return x_BCD, cache, experts_BCK

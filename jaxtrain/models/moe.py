@@ -68,10 +68,16 @@ class Routing:
 # their logical axes).
 
 
-def route(logits_NX: jax.Array, routing: Routing, bias_X: jax.Array | None = None):
+def route(logits_NX: jax.Array, routing: Routing, bias_X: jax.Array | None = None,
+          forced_NK: jax.Array | None = None):
   """(probs_NX, weights_NK, experts_NK) from float32 router logits: each token's scores over
   the experts (summing to 1: the softmax, or the sigmoid scores normalized, for the balance
   loss), the top-k's routing weights and expert indices.
+
+  `forced_NK`: the experts to use instead of the top-k (routing replay: the ones a rollout's
+  forward pass chose), where >= 0; a token whose entries are -1 (nothing recorded) chooses its
+  own. The weights are still the router's for the experts used, as below, so the router trains
+  through them.
 
   softmax (Mixtral, Qwen3-MoE): the k most probable experts, weighted by their probabilities,
   renormalized to sum to 1 when `norm_topk_prob`.
@@ -91,6 +97,8 @@ def route(logits_NX: jax.Array, routing: Routing, bias_X: jax.Array | None = Non
   if routing.n_group > 1:
     choice_NX = _within_best_groups(choice_NX, routing.n_group, routing.topk_group)
   _, experts_NK = jax.lax.top_k(choice_NX, routing.top_k)
+  if forced_NK is not None:
+    experts_NK = jnp.where(forced_NK >= 0, forced_NK.astype(experts_NK.dtype), experts_NK)
   source_NX = probs_NX if routing.score == "softmax" else scores_NX
   weights_NK = jnp.take_along_axis(source_NX, experts_NK, axis=-1)
   if routing.norm_topk_prob:
@@ -253,20 +261,22 @@ def local_experts(experts: dict, routing: Routing, tokens: int):
 
 
 def moe_ffn(x_ND, mask_N, router: dict, run, routing: Routing, *, psum=lambda t: t,
-            sequences: Sequences = Sequences()):
-  """One device's N tokens through the MoE block: (out_ND in float32, statistics).
+            sequences: Sequences = Sequences(), forced_NK=None):
+  """One device's N tokens through the MoE block: (out_ND in float32, statistics, the chosen
+  experts [N, k] int32).
 
   `run(x_AD, expert_A, group_sizes_X) -> (y_AD, dropped_A)` takes the assignments, sorted by
   expert, through their experts (`local_experts`, or `exchanging_experts`); `psum` sums the
-  statistics over the devices holding other tokens; `sequences`: how the tokens form rows."""
+  statistics over the devices holding other tokens; `sequences`: how the tokens form rows;
+  `forced_NK`: experts to replay instead of choosing (`route`)."""
   logits_NX = jnp.dot(x_ND.astype(jnp.float32), router["weight"].astype(jnp.float32))
-  probs_NX, weights_NK, experts_NK = route(logits_NX, routing, router.get("bias"))
+  probs_NX, weights_NK, experts_NK = route(logits_NX, routing, router.get("bias"), forced_NK)
   order_A, token_A, expert_A, group_sizes_X = sort_by_expert(experts_NK, routing.num_experts)
   y_AD, dropped_sorted_A = run(x_ND[token_A], expert_A, group_sizes_X)
   out_ND = unsort_and_combine(y_AD, order_A, weights_NK)
   dropped_A = dropped_sorted_A[inverse_permutation(order_A)]
   return out_ND, router_stats(logits_NX, probs_NX, experts_NK, mask_N, dropped_A, psum,
-                              sequences if routing.sequence_balance else None)
+                              sequences if routing.sequence_balance else None), experts_NK
 
 
 def exchanging_experts(experts: dict, routing: Routing, tokens: int, shards: int):
@@ -317,28 +327,32 @@ def exchanging_experts(experts: dict, routing: Routing, tokens: int, shards: int
   return capacity_bounded if routing.capacity_factor > 0 else dropless
 
 
-def moe_layer(x_BTD, mask_BT, router: dict, experts: dict, routing: Routing):
+def moe_layer(x_BTD, mask_BT, router: dict, experts: dict, routing: Routing, forced_BTK=None):
   """The MoE block on [B, T, D] tokens, under the current mesh (or none): (out_BTD in x's dtype,
-  the layer's router statistics). `router`: {"weight": [D, X]} and, for DeepSeek's router, its
-  correction {"bias": [X]}; `experts`: the weights (gate, up, down, and adapters: keys of
-  WEIGHT_NAMES) in the compute dtype. Under a mesh each device routes its own tokens
-  (parallel/expert_parallel.over_token_shards), exchanging them with the devices that hold
-  their experts when mesh.expert > 1."""
-  def body(x_ND, mask_N, router, experts, psum, shards, sequences):
+  the layer's router statistics, the chosen experts [B, T, k] int32). `router`: {"weight":
+  [D, X]} and, for DeepSeek's router, its correction {"bias": [X]}; `experts`: the weights
+  (gate, up, down, and adapters: keys of WEIGHT_NAMES) in the compute dtype; `forced_BTK`:
+  experts to replay instead of choosing them (`route`). Under a mesh each device routes its own
+  tokens (parallel/expert_parallel.over_token_shards), exchanging them with the devices that
+  hold their experts when mesh.expert > 1."""
+  def body(x_ND, mask_N, router, experts, psum, shards, sequences, forced_NK):
     n = x_ND.shape[0]
     if shards == 1:
       run = local_experts(experts, routing, n)
     else:
       run = exchanging_experts(experts, routing, n, shards)
-    return moe_ffn(x_ND, mask_N, router, run, routing, psum=psum, sequences=sequences)
+    return moe_ffn(x_ND, mask_N, router, run, routing, psum=psum, sequences=sequences,
+                   forced_NK=forced_NK)
 
   if jax.sharding.get_abstract_mesh().empty:
     b, t, d = x_BTD.shape
-    out_ND, stats = body(x_BTD.reshape(b * t, d), mask_BT.reshape(b * t), router, experts,
-                         lambda tree: tree, 1, Sequences(rows=b))
-    return out_ND.reshape(b, t, d).astype(x_BTD.dtype), stats
+    forced_NK = None if forced_BTK is None else forced_BTK.reshape(b * t, -1)
+    out_ND, stats, experts_NK = body(x_BTD.reshape(b * t, d), mask_BT.reshape(b * t), router,
+                                     experts, lambda tree: tree, 1, Sequences(rows=b),
+                                     forced_NK)
+    return out_ND.reshape(b, t, d).astype(x_BTD.dtype), stats, experts_NK.reshape(b, t, -1)
   return expert_parallel.over_token_shards(body, x_BTD, mask_BT, router, experts,
-                                           {k: WEIGHT_NAMES[k] for k in experts})
+                                           {k: WEIGHT_NAMES[k] for k in experts}, forced_BTK)
 
 
 # Logical axes of the expert weights (mesh.LOGICAL_RULES), and of their adapters' factors.

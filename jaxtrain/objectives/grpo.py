@@ -44,6 +44,9 @@ class GRPO(Objective):
     self.epsilon, self.beta = float(settings.epsilon), float(settings.beta)
     # With beta 0 the loss never reads the reference: no frozen copy, no extra forward.
     self.uses_reference = self.beta > 0
+    self.replay_routing = bool(settings.get("replay_routing", False))
+    # The per-token arrays of a row that the policy's forward passes read.
+    self.row_keys = grpo_lib.TOKEN_KEYS + ((grpo_lib.ROUTING,) if self.replay_routing else ())
     # Each reward source's mean is logged beside the total.
     self.metric_names = type(self).metric_names + tuple(
         f"reward_{name}_mean" for name in self.reward_source_names())
@@ -89,6 +92,7 @@ class GRPO(Objective):
       raise ConfigError(f"grpo.temperature={g.temperature}, grpo.top_p={g.top_p}: rollouts "
                         f"need temperature > 0 (distinct samples) and 0 < top_p <= 1")
     self._check_lengths(config)
+    self._check_replay(config)
     if g.on_reward_error not in REWARD_ERROR_POLICIES:
       raise ConfigError(f"grpo.on_reward_error={g.on_reward_error!r}: choose "
                         f"{' or '.join(REWARD_ERROR_POLICIES)}")
@@ -104,6 +108,18 @@ class GRPO(Objective):
         raise ConfigError(f"grpo.reward_fns: {e}") from None
     for spec in specs:  # each names a reward model (its config read, not its weights)
       reward_models.check(spec, str(config.model.param_dtype))
+
+  def _check_replay(self, config):
+    if self.replay_routing and not config.moe.num_experts:
+      raise ConfigError(f"grpo.replay_routing=True with moe.num_experts="
+                        f"{config.moe.num_experts}: routing replay is for a Mixture-of-Experts "
+                        f"policy (it replays each token's experts); leave it False for a dense "
+                        f"model")
+
+  def routing_shape(self, config, rows: int) -> tuple[int, ...]:
+    """[rows, seq_len, num_layers, k] of the replayed routing (grpo_lib.ROUTING)."""
+    return (rows, config.train.seq_len, config.model.num_layers,
+            config.moe.experts_per_token)
 
   def _check_lengths(self, config):
     g, t = self.settings, config.train
@@ -152,6 +168,8 @@ class GRPO(Objective):
               for k in grpo_lib.TOKEN_KEYS}
     shapes["advantages"] = ((b,), jnp.float32)
     shapes[grpo_lib.SAMPLER_LOGPROBS] = ((b, t), jnp.float32)
+    if self.replay_routing:
+      shapes[grpo_lib.ROUTING] = (self.routing_shape(config, b), jnp.int32)
     if self.num_iterations > 1:
       shapes[grpo_lib.OLD_LOGPROBS] = ((b, t), jnp.float32)
     return shapes
@@ -184,7 +202,7 @@ class GRPO(Objective):
       if not beta:
         return None
       reference = reference_model(graphdef, params, frozen)
-      rows = grpo_lib.in_layout(reference, batch)
+      rows = grpo_lib.in_layout(reference, grpo_lib.without_routing(batch))
       return jax.lax.stop_gradient(
           grpo_lib.token_logprobs(reference, rows, chunk_size=loss_chunk_size,
                                   vocab_limit=vocab_limit))

@@ -100,6 +100,8 @@ class PPO(GRPO):
     shapes = {k: ((b, t), jnp.float32 if k == "loss_mask" else jnp.int32)
               for k in grpo_lib.TOKEN_KEYS}
     shapes.update({k: ((b, t), jnp.float32) for k in ROLLOUT_KEYS})
+    if self.replay_routing:
+      shapes[grpo_lib.ROUTING] = (self.routing_shape(config, b), jnp.int32)
     return shapes
 
   def forward_passes(self) -> float:

@@ -51,35 +51,39 @@ def all_to_all(x):
 
 
 def over_token_shards(body: Callable, x_BTD, mask_BT, router: dict, experts: dict,
-                      expert_names: dict):
-  """`body(x_ND, mask_N, router, experts, psum, expert_shards, sequences)` on each device's
-  tokens under the current mesh, inside shard_map: x_ND and mask_N this device's tokens
+                      expert_names: dict, forced_BTK=None):
+  """`body(x_ND, mask_N, router, experts, psum, expert_shards, sequences, forced_NK)` on each
+  device's tokens under the current mesh, inside shard_map: x_ND and mask_N this device's tokens
   (flattened), the router's arrays whole, `experts` ({name: array}, logical axes in
   `expert_names`) this device's slices: split over `expert` and over `tensor` where their names
   say so, FSDP's shards gathered on the way in (mesh.gathered_spec). `psum(tree)` sums over the
   devices holding other tokens; `expert_shards` is E; `sequences` (Sequences above): this
-  device's rows and the sum over the `context` devices that hold the rest of them. `body`
-  returns (out_ND float32, statistics); the partial outputs of the tensor shards are summed
-  here. Returns (out_BTD in x's dtype, statistics)."""
+  device's rows and the sum over the `context` devices that hold the rest of them; `forced_NK`
+  this device's rows of `forced_BTK` (experts to replay; None without). `body` returns (out_ND
+  float32, statistics, chosen experts [N, k]); the partial outputs of the tensor shards are
+  summed here. Returns (out_BTD in x's dtype, statistics, chosen experts [B, T, k])."""
   b, t, d = x_BTD.shape
   mesh = jax.sharding.get_abstract_mesh()
   token_axes = tuple(a for a in BATCH_AXES + ("context",) if a in mesh.axis_names)
   shards = axis_size(EXPERT_AXIS, mesh)
   context = axis_size("context", mesh)
 
-  def per_device(x_btD, mask_bt, router, experts):
+  def per_device(x_btD, mask_bt, router, experts, forced_btK):
     bl, tl, _ = x_btD.shape
     sequences = Sequences(rows=bl, shards=context, psum=(
         (lambda tree: jax.lax.psum(tree, "context")) if context > 1 else (lambda tree: tree)))
-    out_ND, stats = body(x_btD.reshape(bl * tl, d), mask_bt.reshape(bl * tl), router,
-                         experts, lambda tree: jax.lax.psum(tree, token_axes), shards,
-                         sequences)
+    forced_NK = None if forced_btK is None else forced_btK.reshape(bl * tl, -1)
+    out_ND, stats, experts_NK = body(x_btD.reshape(bl * tl, d), mask_bt.reshape(bl * tl),
+                                     router, experts,
+                                     lambda tree: jax.lax.psum(tree, token_axes), shards,
+                                     sequences, forced_NK)
     out_ND = jax.lax.psum(out_ND, "tensor")  # each tensor shard computed its F slice
-    return out_ND.reshape(bl, tl, d).astype(x_btD.dtype), stats
+    return (out_ND.reshape(bl, tl, d).astype(x_btD.dtype), stats,
+            experts_NK.reshape(bl, tl, -1))
 
   tokens = P(BATCH_AXES, "context", None)
   expert_specs = {k: gathered_spec(expert_names[k]) for k in experts}
   return jax.shard_map(
       per_device, mesh=mesh,
-      in_specs=(tokens, P(BATCH_AXES, "context"), P(), expert_specs),
-      out_specs=(tokens, P()))(x_BTD, mask_BT, router, experts)
+      in_specs=(tokens, P(BATCH_AXES, "context"), P(), expert_specs, tokens),
+      out_specs=(tokens, P(), tokens))(x_BTD, mask_BT, router, experts, forced_BTK)
