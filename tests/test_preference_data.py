@@ -1,8 +1,12 @@
 """Preference pairs -> padded DPO rows: masks at the response's own positions, exact resume."""
 
-import numpy as np
+import json
 
-from jaxtrain.data.preference import preference_dataset
+import numpy as np
+import pytest
+
+from jaxtrain.data.preference import PreferenceRows, RecordSubset, preference_dataset
+from jaxtrain.data.sources import DataError, JsonlSource
 from jaxtrain.data.tokenizer import load_tokenizer
 from jaxtrain.dpo import BATCH_KEYS
 
@@ -49,3 +53,17 @@ def test_iterator_state_restores_exactly():
   got = next(it)
   for key in BATCH_KEYS:
     np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_a_bad_record_of_a_held_out_split_is_named_by_its_file_and_line(tmp_path):
+  path = tmp_path / "pairs.jsonl"
+  good = {"prompt": "reverse: ab\n", "chosen": "ba", "rejected": "ab"}
+  lines = [good] * 5 + [{"prompt": "reverse: cd\n", "chosen": "dc"}] + [good] * 2
+  path.write_text("\n".join(json.dumps(r) for r in lines) + "\n", encoding="utf-8")
+  source = JsonlSource(str(path), field=None)
+  # The subset's record 1 is the file's record 5, on line 6.
+  rows = PreferenceRows(RecordSubset(source, np.array([2, 5, 7])), load_tokenizer("byte"),
+                        length=16, vocab_size=384)
+  assert rows(0) is not None
+  with pytest.raises(DataError, match=rf"^{path}:6: preference record: missing key 'rejected'"):
+    rows(1)

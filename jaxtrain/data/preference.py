@@ -21,7 +21,7 @@ import numpy as np
 from jaxtrain.config import ConfigError
 from jaxtrain.data import formats
 from jaxtrain.data.documents import held_out_indices, tokenizer_for
-from jaxtrain.data.sources.common import DataError
+from jaxtrain.data.sources.common import DataError, record_location
 
 SIDES = ("chosen", "rejected")
 
@@ -55,7 +55,7 @@ class PreferenceRows:
   def __call__(self, index) -> dict[str, np.ndarray] | None:
     index = int(index)
     features = formats.record_features(self.tokenizer, self.source[index], "preference",
-                                       where=f"record {index}")
+                                       where=record_location(self.source, index))
     row = pair_rows(features, self.length)
     if row is not None:
       top = max(int(row[f"{s}_input_ids"].max()) for s in SIDES)
@@ -93,6 +93,10 @@ class RecordSubset:
 
   def __getitem__(self, i):
     return self.source[int(self.indices_N[int(i)])]
+
+  def location(self, i) -> str:
+    """Where record i of the subset is in the source (its file and line for JSONL)."""
+    return record_location(self.source, int(self.indices_N[int(i)]))
 
 
 def load_record_splits(config, *, needs: str, what: str):

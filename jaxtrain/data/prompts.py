@@ -24,7 +24,7 @@ from jaxtrain.config import ConfigError
 from jaxtrain.data import formats
 from jaxtrain.data.documents import tokenizer_for
 from jaxtrain.data.preference import RecordSubset, load_record_splits, local_batch_size
-from jaxtrain.data.sources.common import DataError
+from jaxtrain.data.sources.common import DataError, record_location
 
 BATCH_KEYS = ("prompt_ids", "prompt_lengths", "record_index")
 
@@ -44,7 +44,7 @@ class PromptRows:
 
   def __call__(self, index) -> dict[str, np.ndarray] | None:
     index = int(index)
-    ids = formats.prompt_ids(self.tokenizer, self.source[index], where=f"record {index}")
+    ids = formats.prompt_ids(self.tokenizer, self.source[index], where=record_location(self.source, index))
     if len(ids) == 0 or len(ids) > self.length:
       return None
     top = int(ids.max())

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxtrain.data import formats
 from jaxtrain.data.sources import DataError
+from jaxtrain.data.sources.common import record_location
 
 
 class TokenizedText:
@@ -34,7 +35,7 @@ class TokenizedText:
     index = int(self.indices_N[i])
     return formats.record_features(self.tokenizer, self.source[index], self.kind,
                                    add_bos=self.add_bos, add_eos=self.add_eos,
-                                   where=f"record {index}")
+                                   where=record_location(self.source, index))
 
   def subset(self, indices_N: np.ndarray) -> "TokenizedText":
     return TokenizedText(self.source, self.tokenizer, kind=self.kind, add_bos=self.add_bos,

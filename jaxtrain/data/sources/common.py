@@ -183,3 +183,14 @@ class Source:
 
   def __len__(self) -> int:
     raise NotImplementedError
+
+  def location(self, i) -> str:
+    """Where document `i` is, for error messages ("record i" unless a source knows better)."""
+    return f"record {int(i)}"
+
+
+def record_location(source, i) -> str:
+  """`source.location(i)` ("FILE:LINE" for JSONL records), else "record i": where a data error
+  in record i of `source` points the user."""
+  locate = getattr(source, "location", None)
+  return locate(i) if locate is not None else f"record {int(i)}"

@@ -183,6 +183,11 @@ class JsonlSource(Source):
       path = self.paths[f]
       raise DataError(f"{path}:{_line_number(path, offset)}: {e}") from None
 
+  def location(self, i) -> str:
+    """"FILE:LINE" of record i (rescans the file up to it: for error messages only)."""
+    f, offset = self._locate(i)
+    return f"{self.paths[f]}:{_line_number(self.paths[f], offset)}"
+
   def _describe_extra(self) -> str:
     # field None: whole records go to a formatter (prompt/completion, chat, preference pairs).
     what = f", field {self.field!r}" if self.field is not None else ", whole records"
