@@ -406,6 +406,14 @@ def default_config() -> ml_collections.ConfigDict:
 
   c.log = ml_collections.ConfigDict()
   c.log.tensorboard = True
+  # Weights & Biases (the `wandb` extra: pip install -e ".[wandb]"): the scalars TensorBoard gets,
+  # under the same names and steps, and the run table and this config as the W&B run's config;
+  # process 0 logs. WANDB_MODE=offline keeps the run in WORKDIR/wandb/ (`wandb sync` uploads it).
+  # A run resumed in the same --workdir continues the same W&B run.
+  c.log.wandb = False
+  c.log.wandb_project = "jaxtrain"
+  c.log.wandb_run_name = ""  # "": the --workdir's name (runs/tiny -> tiny)
+  c.log.wandb_entity = ""  # "": W&B's default entity for the logged-in user
   return c
 
 

@@ -13,6 +13,7 @@ from jaxtrain.attention import CUDNN_MAX_HEAD_DIM, cudnn_takes
 from jaxtrain.dryrun import targets
 from jaxtrain.parallel.context_parallel import STRATEGIES as CONTEXT_STRATEGIES
 from jaxtrain import objectives
+from jaxtrain import wandb_logger
 from jaxtrain.parallel.pipeline import resolve_microbatches
 from jaxtrain.parallel.mesh import (DCN_AXES, MESH_AXES, MeshShape, check_divides, param_dims,
                                     resolve_shape)
@@ -333,7 +334,21 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
   if not 0.0 < config.data.eval_fraction < 1.0:
     raise ConfigError(f"data.eval_fraction={config.data.eval_fraction}: must be in (0, 1)")
   _check_multihost(config, mesh, num_processes, num_slices)
+  _check_wandb(config)
   return mesh
+
+
+def _check_wandb(config):
+  """log.wandb=True needs the `wandb` extra (found on the path, not imported: cheap) and a
+  project to log to."""
+  if not config.log.wandb:
+    return
+  if not wandb_logger.available():
+    raise ConfigError("log.wandb=True: the wandb package is not installed; install the extra "
+                      "with `pip install -e \".[wandb]\"` or set log.wandb=False")
+  if not config.log.wandb_project:
+    raise ConfigError("log.wandb_project='': W&B needs a project to log to; set "
+                      "--config.log.wandb_project=NAME")
 
 
 def _check_multihost(config, mesh: MeshShape, num_processes: int | None, num_slices: int):

@@ -257,7 +257,7 @@ def _float_or_none(value: Any) -> Optional[float]:
 
 
 class MetricsWriter:
-  """Writes training/eval metrics to metrics.jsonl, TensorBoard and a console progress line.
+  """Writes training/eval metrics to metrics.jsonl, TensorBoard, W&B and a console progress line.
 
   WORKDIR/metrics.jsonl gets one JSON object per call, flushed immediately so a crashed run keeps
   every record written before the crash. The file is appended to, so a resumed run continues the
@@ -265,13 +265,16 @@ class MetricsWriter:
   {"step", "loss", "learning_rate", "grad_norm", "tokens_per_sec", "mfu", ...extra keys}; eval
   records are {"step", "eval_loss", ...extra keys}. `mfu` is a fraction (0.123 = 12.3%).
 
+  `wandb` (a jaxtrain.wandb_logger.WandbLogger, or None) gets every scalar TensorBoard gets, with
+  the same name and step, and is closed with the writer.
+
   In a multi-host run create it on process 0 only.
   """
 
   _TRAIN_KEYS = ("loss", "learning_rate", "grad_norm", "tokens_per_sec", "mfu")
 
   def __init__(self, workdir: str, *, tensorboard: bool = True, total_steps: Optional[int] = None,
-               print_fn=None):
+               print_fn=None, wandb=None):
     self.workdir = os.fspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     self.total_steps = total_steps
@@ -281,6 +284,7 @@ class MetricsWriter:
     if tensorboard:
       from tensorboardX import SummaryWriter  # Local import: optional for jsonl-only users.
       self._tb = SummaryWriter(logdir=os.path.join(self.workdir, "tensorboard"))
+    self._wandb = wandb
     # (wall time, step) at the first write_train call. The rate for the ETA is measured from
     # there, so the first logged interval -- which contains compilation -- never enters it.
     self._anchor: Optional[tuple[float, int]] = None
@@ -292,29 +296,32 @@ class MetricsWriter:
     self._jsonl.write(json.dumps(clean, allow_nan=False) + "\n")
     self._jsonl.flush()
 
-  def _write_tb(self, prefix: str, step: int, scalars: Mapping[str, Any]):
-    if self._tb is None:
-      return
-    for name, value in scalars.items():
-      value = _float_or_none(value)
-      if value is not None:
-        self._tb.add_scalar(f"{prefix}/{name}", value, global_step=step)
-    self._tb.flush()
+  def _write_scalars(self, prefix: str, step: int, scalars: Mapping[str, Any]):
+    """TensorBoard and W&B: `prefix/name` for every numeric value (NaN kept, None dropped)."""
+    values = {f"{prefix}/{name}": _float_or_none(value) for name, value in scalars.items()}
+    values = {name: value for name, value in values.items() if value is not None}
+    if self._tb is not None:
+      for name, value in values.items():
+        self._tb.add_scalar(name, value, global_step=step)
+      self._tb.flush()
+    if self._wandb is not None:
+      self._wandb.log(step, values)
 
   def write_train(self, step: int, metrics: Mapping[str, Any]):
-    """Logs one training step: jsonl record, TensorBoard `train/<key>` scalars, console line."""
+    """Logs one training step: jsonl record, `train/<key>` scalars, console line."""
     step = int(step)
     ordered = {k: metrics[k] for k in self._TRAIN_KEYS if k in metrics}
     ordered.update({k: v for k, v in metrics.items() if k not in ordered})
     self._write_json({"step": step, **ordered})
-    self._write_tb("train", step, ordered)
+    self._write_scalars("train", step, ordered)
     self._print(self._progress_line(step, ordered))
 
   def write_eval(self, step: int, eval_loss: Any, **extra: Any):
-    """Logs one evaluation: jsonl {"step", "eval_loss", **extra}, TensorBoard `eval/loss`."""
+    """Logs one evaluation: jsonl {"step", "eval_loss", **extra}, scalars `eval/loss` and
+    `eval/<key>`."""
     step = int(step)
     self._write_json({"step": step, "eval_loss": eval_loss, **extra})
-    self._write_tb("eval", step, {"loss": eval_loss, **extra})
+    self._write_scalars("eval", step, {"loss": eval_loss, **extra})
     parts = [f"eval step {step}", f"eval_loss {_fmt(eval_loss, '.4f')}"]
     parts += [f"{k} {_fmt(v, '.4g')}" for k, v in extra.items()]
     self._print(" | ".join(parts))
@@ -381,6 +388,9 @@ class MetricsWriter:
     if self._tb is not None:
       self._tb.close()
       self._tb = None
+    if self._wandb is not None:
+      self._wandb.close()
+      self._wandb = None
 
   def __enter__(self) -> "MetricsWriter":
     return self

@@ -24,6 +24,7 @@ from jaxtrain.checkpoint import Checkpointer, abstract_like, load_params
 from jaxtrain import host_memory
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import preflight
+from jaxtrain import wandb_logger
 from jaxtrain.health import LossSpikeDetector, check_bad_streak
 from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.mesh import DCN_AXES, MeshShape, make_mesh
@@ -35,9 +36,10 @@ from jaxtrain.train_setup import Setup, build
 from jaxtrain.train_step import MAX_METRICS, TrainState
 
 
-def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConfig,
-                 peak: float | None, peak_source: str, packing: float | None,
-                 data_rows: list[tuple[str, str]], objective: Objective) -> str:
+def _start_rows(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConfig,
+                peak: float | None, peak_source: str, packing: float | None,
+                data_rows: list[tuple[str, str]], objective: Objective) -> list[tuple[str, str]]:
+  """The run table's (name, value) rows: printed at the start, and the W&B run's config."""
   t = config.train
   flops_per_token = objective.flops_per_token(config, model_cfg)
   devices = jax.devices()
@@ -102,7 +104,7 @@ def _start_table(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConf
   if packing is not None:
     rows.append(("packing efficiency", f"{100 * packing:.1f}% of target slots carry loss "
                                        f"(first batch)"))
-  return metrics_lib.format_table(rows)
+  return rows
 
 
 def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> dict[str, float]:
@@ -135,15 +137,18 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
   packing = objective.packing_efficiency(first_batch)
   writer = None
   if is_chief:
-    print(_start_table(config, mesh, mesh_shape, setup.model_cfg, peak, peak_source, packing,
-                       data_source.summary(config), objective), flush=True)
+    rows = _start_rows(config, mesh, mesh_shape, setup.model_cfg, peak, peak_source, packing,
+                       data_source.summary(config), objective)
+    print(metrics_lib.format_table(rows), flush=True)
     if start_step:
       print(f"resumed from step {start_step}: {ckpt.directory}/{start_step}", flush=True)
       _drop_metrics_after(workdir, start_step)
     else:
       _set_aside_previous_metrics(workdir)
+    wandb_run = (wandb_logger.WandbLogger(config, workdir, rows, resumed=start_step > 0)
+                 if config.log.wandb else None)
     writer = metrics_lib.MetricsWriter(workdir, tensorboard=config.log.tensorboard,
-                                       total_steps=t.steps)
+                                       total_steps=t.steps, wandb=wandb_run)
   meter = _Throughput(tokens_per_step, flops_per_token, peak)
   feeder = objective.make_feeder(config, setup, workdir)
 
