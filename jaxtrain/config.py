@@ -319,9 +319,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.ppo.kl_coef = 0.05  # per-token KL penalty to the reference in the rewards; 0: no reference
 
   # Low-rank adapters: rank 0 trains every weight (full fine-tuning); rank > 0 freezes the base
-  # weights and trains only adapters W + (alpha / rank) * A @ B on lora.targets. Only the
-  # adapters are in the optimizer state and in checkpoints; the base comes from
-  # checkpoint.init_from (on every start and resume).
+  # weights and trains only adapters W + (alpha / rank) * A @ B on lora.targets, and the
+  # objective's new head (a reward model's score head, PPO's value head) beside them. Only those
+  # are in the optimizer state and in checkpoints; the base comes from checkpoint.init_from (on
+  # every start and resume).
   c.lora = ml_collections.ConfigDict()
   c.lora.rank = 0
   c.lora.alpha = 16.0
