@@ -12,6 +12,7 @@ import pytest
 
 from jaxtrain.config import ConfigError
 from jaxtrain.data import prepare as prep
+from jaxtrain.data import prepare_workers as workers
 from jaxtrain.data.sources import DataError, PreparedCorpus, write_token_shard
 from jaxtrain.data.tokenizer import load_tokenizer
 from tests.data_helpers import make_docs, train_bpe, write_jsonl
@@ -216,8 +217,8 @@ def test_batches_match_per_document_encoding(corpus, tmp_path, monkeypatch):
     return batch_encode(self, texts, **kwargs)
 
   monkeypatch.setattr(type(tok), "encode_documents", recording)
-  monkeypatch.setattr(prep, "_BATCH_DOCS", 7)
-  monkeypatch.setattr(prep, "_BATCH_CHARS", 1000)
+  monkeypatch.setattr(workers, "_BATCH_DOCS", 7)
+  monkeypatch.setattr(workers, "_BATCH_CHARS", 1000)
   out = tmp_path / "out"
   prep.prepare(corpus["jsonl"], format="jsonl", tokenizer=tok, output=str(out), add_bos=True,
                add_eos=True, num_workers=1, docs_per_shard=100, log=None)
@@ -236,7 +237,7 @@ def test_batches_match_per_document_encoding(corpus, tmp_path, monkeypatch):
 def test_batches_skip_or_fail_bad_records_in_order(tmp_path, monkeypatch):
   """Bad records inside and at the edges of batches: skipped and counted in order, or the run
   fails at the first one, as with one document at a time."""
-  monkeypatch.setattr(prep, "_BATCH_DOCS", 2)
+  monkeypatch.setattr(workers, "_BATCH_DOCS", 2)
   texts = {f"{i:02d}.txt": f"document {i} é" for i in range(9)}
   bad = ["00.txt", "03.txt", "04.txt", "08.txt"]  # first, a pair across a batch edge, last
   (tmp_path / "in").mkdir()
@@ -267,11 +268,11 @@ def test_batches_skip_or_fail_bad_records_in_order(tmp_path, monkeypatch):
 def test_worker_plan(corpus, monkeypatch):
   """Processes x tokenizer threads: a process per CPU by default, one for a small input; HF's
   threads share out the CPUs among the processes."""
-  monkeypatch.setattr(prep, "_available_cpus", lambda: 8)
+  monkeypatch.setattr(workers, "_available_cpus", lambda: 8)
   for var in ("RAYON_NUM_THREADS", "TOKENIZERS_NUM_THREADS", "TOKENIZERS_PARALLELISM"):
     monkeypatch.delenv(var, raising=False)
   byte, hf = load_tokenizer("byte"), load_tokenizer(corpus["tokenizer"])
-  big, small = prep._SMALL_INPUT_BYTES, prep._SMALL_INPUT_BYTES - 1
+  big, small = workers.SMALL_INPUT_BYTES, workers.SMALL_INPUT_BYTES - 1
 
   def plan(tok, num_workers, num_shards, input_bytes=big):
     return prep.worker_plan(tok, num_workers, num_shards, input_bytes)
@@ -292,7 +293,7 @@ def test_worker_plan(corpus, monkeypatch):
 
 
 def test_default_prepares_a_small_input_in_process(corpus, tmp_path, monkeypatch):
-  monkeypatch.setattr(prep, "_available_cpus", lambda: 4)
+  monkeypatch.setattr(workers, "_available_cpus", lambda: 4)
   for var in ("RAYON_NUM_THREADS", "TOKENIZERS_NUM_THREADS", "TOKENIZERS_PARALLELISM"):
     monkeypatch.delenv(var, raising=False)
   lines = []
@@ -306,17 +307,17 @@ def test_worker_process_caps_tokenizer_threads(corpus, monkeypatch):
   environ = {k: v for k, v in os.environ.items()
              if k not in ("RAYON_NUM_THREADS", "TOKENIZERS_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
   monkeypatch.setattr(os, "environ", environ)  # a copy: nothing leaks into this process
-  monkeypatch.setattr(prep, "_state", {})
+  monkeypatch.setattr(workers, "_state", {})
   hf = load_tokenizer(corpus["tokenizer"])
   args = (None, hf, False, True, False, "unused", 100, 1, "<u2")
-  prep._init_worker(*args, 3)
+  workers._init_worker(*args, 3)
   assert (environ["RAYON_NUM_THREADS"], environ["TOKENIZERS_NUM_THREADS"]) == ("3", "3")
   environ["RAYON_NUM_THREADS"] = environ["TOKENIZERS_NUM_THREADS"] = "5"
-  prep._init_worker(*args, 2)
+  workers._init_worker(*args, 2)
   assert (environ["RAYON_NUM_THREADS"], environ["TOKENIZERS_NUM_THREADS"]) == ("5", "5")
   del environ["RAYON_NUM_THREADS"], environ["TOKENIZERS_NUM_THREADS"]
-  prep._init_worker(*args)  # in-process: the caller's environment is left alone
-  prep._init_worker(None, load_tokenizer("byte"), *args[2:], 1)  # no threads to cap
+  workers._init_worker(*args)  # in-process: the caller's environment is left alone
+  workers._init_worker(None, load_tokenizer("byte"), *args[2:], 1)  # no threads to cap
   assert "RAYON_NUM_THREADS" not in environ and "TOKENIZERS_NUM_THREADS" not in environ
 
 
