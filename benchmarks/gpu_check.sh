@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one script, under 9 minutes on one H100 / H200:
+# Every GPU check in one script, about 9 minutes on one H100 / H200:
 #   1. the Pallas flash-attention kernels compiled for the GPU against the float32 reference
 #      (output and dq/dk/dv, bf16 inputs), and the compiled kernel tests;
 #   2. benchmarks/attention.py: pallas vs cudnn vs xla forward+backward at T = 2048/4096/8192;
@@ -8,7 +8,9 @@
 #      metrics.jsonl (each run passes the pre-flight check first; FP8's MFU is against the FP8
 #      peak);
 #   4. the dry run's deviceless compile for this GPU's target (h200x1 / h100x1) against the same
-#      step compiled on the GPU itself: per-device GiB of each and their ratio.
+#      step compiled on the GPU itself: per-device GiB of each and their ratio;
+#   5. RL: GRPO's logprob_mismatch (sampler against trainer) on the GPU in bfloat16, for an
+#      8-expert grpo_tiny without and with routing replay (grpo.replay_routing).
 # Needs a Python with jaxtrain[cuda12] installed (PYTHON, default .venv/bin/python).
 # Usage: benchmarks/gpu_check.sh [OUTPUT_DIR]   (logs and run directories go there)
 set -euo pipefail
@@ -25,15 +27,15 @@ if jax.default_backend() != "gpu":
 print("devices:", [d.device_kind for d in jax.devices()])
 PY
 
-echo "== 1/4 kernel parity on the GPU"
+echo "== 1/5 kernel parity on the GPU"
 timeout 150 "$PY" benchmarks/attention.py --check 2>&1 | tee "$OUT_DIR/parity.log"
 JAX_PLATFORMS=cuda JAXTRAIN_PALLAS_COMPILED=1 timeout 150 "$PY" -m pytest -q -x tests/test_flash_attention.py \
   2>&1 | tail -5 | tee -a "$OUT_DIR/parity.log"
 
-echo "== 2/4 attention benchmark (bf16, causal, E=128)"
+echo "== 2/5 attention benchmark (bf16, causal, E=128)"
 timeout 150 "$PY" benchmarks/attention.py --iters 10 2>&1 | tee "$OUT_DIR/attention.log"
 
-echo "== 3/4 Llama 3.2 1B, bf16, 20 steps per attention implementation; then FP8 matmuls"
+echo "== 3/5 Llama 3.2 1B, bf16, 20 steps per attention implementation; then FP8 matmuls"
 for run in pallas:none cudnn:none cudnn:fp8; do
   impl=${run%%:*} matmul=${run##*:}
   [[ $matmul == none ]] || impl="$impl-$matmul"
@@ -52,7 +54,7 @@ print(f"train_1b: impl={sys.argv[2]} tokens_per_sec={sum(r['tokens_per_sec'] for
 PY
 done
 
-echo "== 4/4 deviceless compile for the target vs the same step compiled on this GPU"
+echo "== 4/5 deviceless compile for the target vs the same step compiled on this GPU"
 timeout 150 "$PY" - <<'PY' 2>&1 | tee "$OUT_DIR/dry_run_vs_device.log"
 import jax
 from jaxtrain.config import load_config_file
@@ -69,3 +71,19 @@ print(f"dry_run_vs_device: target={name} device_kind={jax.devices()[0].device_ki
       f"deviceless_total_gib={deviceless.total / gib:.3f} device_total_gib={on_device.total / gib:.3f} "
       f"ratio={deviceless.total / on_device.total:.3f}")
 PY
+
+echo "== 5/5 GRPO logprob_mismatch in bfloat16, MoE policy, without and with routing replay"
+for replay in False True; do
+  timeout 120 "$PY" -m jaxtrain.main --config=configs/grpo_tiny.py \
+    --workdir="$OUT_DIR/grpo_moe_replay_$replay" --config.model.family=mixtral \
+    --config.moe.num_experts=8 --config.moe.experts_per_token=2 --config.moe.expert_mlp_dim=64 \
+    --config.model.dtype=bfloat16 --config.grpo.replay_routing=$replay \
+    --config.train.steps=20 --config.train.log_every=1 --config.train.eval_every=1000 \
+    --config.log.tensorboard=False 2>&1 | tail -2 | tee "$OUT_DIR/grpo_replay_$replay.log"
+  "$PY" - "$OUT_DIR/grpo_moe_replay_$replay/metrics.jsonl" "$replay" <<'PY'
+import json, sys
+gaps = [json.loads(l)["logprob_mismatch"] for l in open(sys.argv[1]) if '"logprob_mismatch"' in l]
+print(f"grpo_mismatch: replay={sys.argv[2]} steps={len(gaps)} max={max(gaps):.3g} "
+      f"mean={sum(gaps) / len(gaps):.3g}")
+PY
+done
