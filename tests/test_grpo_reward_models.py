@@ -6,10 +6,12 @@ import json
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain import objectives, reward, reward_models, run_weights
@@ -132,3 +134,23 @@ def test_grpo_with_a_reward_model_and_a_function_logs_both_sources(reward_tiny_w
   proc = run_cli(*SMALL, "--dry_run", f"--config.grpo.reward_models={reward_tiny_workdir}")
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "reward models" in proc.stdout and "grpo.reward_models" in proc.stdout
+
+
+def test_a_hugging_face_reward_model_serves_as_a_source():
+  """A *ForSequenceClassification directory (the transformers fixture) scores with its own
+  tokenizer (its tokenizer.json), as `interop.hf.load_model` and `sequence_rewards` do."""
+  from jaxtrain.interop import hf  # pylint: disable=import-outside-toplevel
+  path = os.path.join(REPO, "tests", "fixtures", "hf_llama_reward")
+  spec = reward_models.RewardModelSpec(path, 2.0)
+  assert reward_models.source_names([], [spec]) == ["hf_llama_reward"]
+  scorer = reward_models.RewardModelScorer(spec, mesh_of((1, 1, 1)), row_length=16,
+                                           hf_dtype="float32")
+  records = [{"prompt": "reverse: abc\n"}, {"prompt": "reverse: xy\n"}]
+  completions, ended = ["cba", "yx!"], np.array([True, False])
+  got = scorer(records, completions, ended)
+  ids_BL, mask_BL = scorer.rows(records, completions, ended)
+  model, _ = hf.load_model(path)
+  want = reward.sequence_rewards(model, jnp.asarray(ids_BL), jnp.asarray(mask_BL))
+  np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-6)
+  assert reward_models.weight_bytes(spec, mesh_of((1, 1, 1)), "float32") == 4 * sum(
+      int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
