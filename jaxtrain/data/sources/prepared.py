@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import array
 import collections
+import io
 import json
 import os
 import shlex
@@ -23,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxtrain import storage
+from jaxtrain.data.sources import remote_tokens
 from jaxtrain.data.sources.common import DataError, Source
 
 MANIFEST_NAME = "manifest.json"
@@ -161,6 +164,8 @@ def load_manifest(path, where: str = "") -> tuple[str, dict[str, Any]]:
   Raises:
     DataError: one line naming the path, the problem and the fix.
   """
+  if storage.is_url(os.fspath(path)):
+    return _load_remote_manifest(os.fspath(path).rstrip("/"), where)
   given = os.path.expanduser(os.fspath(path))
   path = os.path.abspath(given)
   if not os.path.exists(path):
@@ -186,6 +191,35 @@ def load_manifest(path, where: str = "") -> tuple[str, dict[str, Any]]:
     reason = " ".join(f"{type(e).__name__}: {e}".split())
     raise DataError(f"{where}{manifest_path}: cannot read it as JSON ({reason}); rerun prepare "
                     f"with --overwrite") from None
+  return directory, _check_manifest(manifest, directory, manifest_path, where)
+
+
+def _load_remote_manifest(url: str, where: str) -> tuple[str, dict[str, Any]]:
+  """load_manifest of a prepared directory on object storage (s3://, gs://)."""
+  try:
+    storage.check_url(url)
+    storage.check_bucket(url)
+  except storage.StorageError as e:
+    raise DataError(f"{where}{e}") from None
+  if url.endswith("/" + MANIFEST_NAME):
+    directory, manifest_path = url[:-len(MANIFEST_NAME) - 1], url
+  else:
+    directory, manifest_path = url, storage.join(url, MANIFEST_NAME)
+  if not storage.isfile(manifest_path):
+    raise DataError(f"{where}{directory} has no {MANIFEST_NAME}: not a prepared corpus, or its "
+                    f"upload did not finish; copy the whole directory written by {_PREPARE} "
+                    f"(its {MANIFEST_NAME} last)")
+  try:
+    manifest = json.loads(storage.read_bytes(manifest_path))
+  except ValueError as e:
+    raise DataError(f"{where}{manifest_path}: cannot read it as JSON ({e}); copy it again or "
+                    f"rerun prepare") from None
+  return directory, _check_manifest(manifest, directory, manifest_path, where)
+
+
+def _check_manifest(manifest, directory: str, manifest_path: str, where: str) -> dict[str, Any]:
+  """The manifest, checked: its version, dtype and shard list, and that every shard it lists
+  has both files in `directory` (a local path or a URL)."""
   version = manifest.get("version") if isinstance(manifest, dict) else None
   if version == 1:
     raise DataError(f"{where}{manifest_path}: version 1 manifest: these shards are the old "
@@ -210,11 +244,11 @@ def load_manifest(path, where: str = "") -> tuple[str, dict[str, Any]]:
                     f"another tool: rerun prepare with --overwrite")
   for shard in shards:
     for suffix in (BIN_SUFFIX, IDX_SUFFIX):
-      if not os.path.isfile(os.path.join(directory, shard["file"] + suffix)):
+      if not storage.isfile(storage.join(directory, shard["file"] + suffix)):
         raise DataError(f"{where}{manifest_path} lists {shard['file']}, but "
                         f"{shard['file']}{suffix} is missing from {directory}; copy the whole "
                         f"directory, or rerun prepare with --overwrite")
-  return directory, manifest
+  return manifest
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -223,7 +257,8 @@ def load_manifest(path, where: str = "") -> tuple[str, dict[str, Any]]:
 def _load_idx(path: str, where: str) -> np.ndarray:
   """A shard's document start offsets, checked: int64 [D + 1], 0 first, non-decreasing."""
   try:
-    starts = np.load(path, allow_pickle=False)
+    starts = np.load(io.BytesIO(storage.read_bytes(path)) if storage.is_url(path) else path,
+                     allow_pickle=False)
   except (OSError, ValueError) as e:
     reason = " ".join(f"{type(e).__name__}: {e}".split())
     raise DataError(f"{where}{path}: cannot read it as a .npy array ({reason}); rerun prepare "
@@ -266,13 +301,14 @@ class PreparedCorpus(Source):
     self.directory, self.manifest = load_manifest(path, where)
     self.vocab_size = int(self.manifest.get("vocab_size", 0))
     self.dtype = np.dtype(self.manifest["token_dtype"])
-    prefixes = [os.path.join(self.directory, s["file"]) for s in self.manifest["shards"]]
+    self.remote = storage.is_url(self.directory)
+    prefixes = [storage.join(self.directory, s["file"]) for s in self.manifest["shards"]]
     self.paths = [p + BIN_SUFFIX for p in prefixes]
     self._starts_S = []  # per shard: int64 [D_s + 1] document start offsets
     for shard, prefix in zip(self.manifest["shards"], prefixes):
       starts = _load_idx(prefix + IDX_SUFFIX, where)
       num_docs, num_tokens = len(starts) - 1, int(starts[-1])
-      size = os.path.getsize(prefix + BIN_SUFFIX)
+      size = storage.size(prefix + BIN_SUFFIX)
       if size != num_tokens * self.dtype.itemsize:
         raise DataError(
             f"{where}{prefix}{BIN_SUFFIX}: {size:,} bytes, but its index ends at {num_tokens:,} "
@@ -297,10 +333,12 @@ class PreparedCorpus(Source):
     self._lookup = None
     self._maps = [None] * len(self.paths)  # per shard: its mapped tokens, or None
     self._mapped = collections.deque()  # shards with a map, oldest first
+    # A corpus on object storage: its shards' blocks, fetched by ranged reads (remote_tokens).
+    self._blocks = remote_tokens.BlockCache() if self.remote else None
 
   def __getstate__(self):
     state = self.__dict__.copy()
-    for key in ("_lookup", "_maps", "_mapped"):
+    for key in ("_lookup", "_maps", "_mapped", "_blocks"):
       del state[key]
     return state
 
@@ -322,6 +360,9 @@ class PreparedCorpus(Source):
   def _open_shard(self, shard: int) -> np.ndarray:
     if self._num_shard_tokens(shard) == 0:
       tokens = np.zeros(0, self.dtype)  # mmap refuses an empty file
+    elif self.remote:
+      tokens = remote_tokens.RemoteTokens(self.paths[shard], self.dtype,
+                                          self._num_shard_tokens(shard), self._blocks)
     else:
       # A plain ndarray view: slicing an np.memmap runs its Python __array_finalize__ per slice.
       tokens = np.memmap(self.paths[shard], dtype=self.dtype, mode="r").view(np.ndarray)
@@ -370,6 +411,8 @@ class PreparedCorpus(Source):
     sizes_Q = stop_Q - start_Q
     out = np.empty(int(sizes_Q.sum()), np.int32)
     maps = self._maps
+    if self.remote:  # the batch's blocks first: one concurrent fetch per shard it touches
+      self._prefetch(shard_N[doc_Q], offset_N[doc_Q] + start_Q, sizes_Q)
     at = 0
     for shard, first, size in zip(shard_N[doc_Q].tolist(), (offset_N[doc_Q] + start_Q).tolist(),
                                   sizes_Q.tolist()):
@@ -379,6 +422,17 @@ class PreparedCorpus(Source):
       out[at:at + size] = tokens[first:first + size]
       at += size
     return out
+
+  def _prefetch(self, shard_Q, first_Q, sizes_Q):
+    spans = collections.defaultdict(list)
+    for shard, first, size in zip(shard_Q.tolist(), first_Q.tolist(), sizes_Q.tolist()):
+      spans[shard].append((first, first + size))
+    for shard, shard_spans in spans.items():
+      tokens = self._maps[shard]
+      if tokens is None:
+        tokens = self._open_shard(shard)
+      if isinstance(tokens, remote_tokens.RemoteTokens):
+        tokens.prefetch(shard_spans)
 
   def __getitem__(self, i) -> np.ndarray:
     return self.read(i)
