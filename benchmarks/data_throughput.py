@@ -6,7 +6,10 @@ directory as JSONL (raw text, tokenized while reading) and as a prepared corpus
 Batches of tiny.py's shape (16 × 256) are drawn from the prepared corpus (in-process: the global
 stream has no workers) and from the JSONL with 0, 1 and 2 grain worker processes; the prepared
 corpus also at longer sequences (16 × 8192). The first batch (start-up) is excluded from the
-timing. Prints one table; with --profile, where the prepared path's time goes. The last line is
+timing. With the dev extra installed (moto's S3 server, s3fs), the prepared corpus is also
+uploaded to a bucket of an S3 server started on the loopback interface and read from there
+(`prepared-s3`: ranged reads, jaxtrain/data/sources/remote_tokens.py); --no_s3 skips it.
+Prints one table; with --profile, where the prepared path's time goes. The last line is
 `data_throughput: arrayrecord_tokens_per_sec=N jsonl_tokens_per_sec=N` (16 × 256; the first
 figure is the prepared-corpus path, whatever its file format; JSONL at its best worker count).
 
@@ -17,10 +20,13 @@ figure is the prepared-corpus path, whatever its file format; JSONL at its best 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import importlib.util
 import json
 import os
 import pstats
+import sys
 import tempfile
 import time
 
@@ -53,6 +59,21 @@ def _config(source: str, paths: str, tokenizer_spec: str, vocab_size: int, seq_l
   c.data.source, c.data.train_paths, c.data.tokenizer = source, paths, tokenizer_spec
   c.data.num_workers = workers
   return c
+
+
+def _upload_to_local_s3(prepared: str, stack: contextlib.ExitStack) -> str | None:
+  """s3://BUCKET/prepared on an S3 server of our own (tests/object_store.py), or None (with the
+  reason) where the dev extra's moto and s3fs are not installed."""
+  missing = [m for m in ("moto", "s3fs") if importlib.util.find_spec(m) is None]
+  if missing:
+    print(f"prepared-s3 skipped: {', '.join(missing)} not installed (pip install -e '.[dev]')")
+    return None
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from tests.object_store import s3_server, upload  # pylint: disable=import-outside-toplevel
+  _, bucket = stack.enter_context(s3_server())
+  url = f"s3://{bucket}/prepared"
+  upload(prepared, url)
+  return url
 
 
 def measure(config, seconds: float) -> float:
@@ -96,25 +117,31 @@ def main():
   parser.add_argument("--max_docs", type=int, default=400)
   parser.add_argument("--profile", action="store_true",
                       help="also profile the prepared path (16 × 256)")
+  parser.add_argument("--no_s3", action="store_true",
+                      help="skip the prepared corpus read from a local S3 server")
   args = parser.parse_args()
   tok = load_tokenizer(args.tokenizer)
-  with tempfile.TemporaryDirectory() as root:
+  with tempfile.TemporaryDirectory() as root, contextlib.ExitStack() as stack:
     jsonl, prepared = write_corpus(root, args.tokenizer, args.max_docs)
     runs = [("prepared", prepared, 256, 0), ("prepared", prepared, 8192, 0)]
     runs += [("jsonl", jsonl, 256, w) for w in (0, 1, 2)]
+    url = None if args.no_s3 else _upload_to_local_s3(prepared, stack)
+    if url:
+      runs += [("prepared-s3", url, 256, 0)]
     rows, best = [], {}
     for source, paths, seq_len, workers in runs:
-      c = _config(source, paths, args.tokenizer, tok.vocab_size, seq_len, workers)
+      c = _config(source.removesuffix("-s3"), paths, args.tokenizer, tok.vocab_size, seq_len,
+                  workers)
       rate = measure(c, args.seconds)
       rows.append((source, seq_len, workers, rate))
       if seq_len == 256:
         best[source] = max(best.get(source, 0.0), rate)
     if args.profile:
       profile(_config("prepared", prepared, args.tokenizer, tok.vocab_size, 256, 0))
-  print(f"{'source':<10} {'batch':>9} {'workers':>8} {'tokens/s':>14}   (tokenizer {tok.name})")
+  print(f"{'source':<12} {'batch':>9} {'workers':>8} {'tokens/s':>14}   (tokenizer {tok.name})")
   for source, seq_len, workers, rate in rows:
-    workers_text = "-" if source == "prepared" else str(workers)
-    print(f"{source:<10} {'16 × ' + str(seq_len):>9} {workers_text:>8} {rate:>14,.0f}")
+    workers_text = "-" if source.startswith("prepared") else str(workers)
+    print(f"{source:<12} {'16 × ' + str(seq_len):>9} {workers_text:>8} {rate:>14,.0f}")
   print(f"data_throughput: arrayrecord_tokens_per_sec={best['prepared']:.0f} "
         f"jsonl_tokens_per_sec={best['jsonl']:.0f}")
 

@@ -7,6 +7,7 @@ starts reach it and nothing else."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 # What the AWS clients (botocore under s3fs) read; dummy keys: the server accepts any.
@@ -19,6 +20,7 @@ def s3_server(bucket: str = "jaxtrain-test"):
   """Yields (endpoint URL, bucket) with the server running and this process's environment set;
   restores the environment and stops the server after."""
   from moto.server import ThreadedMotoServer  # pylint: disable=import-outside-toplevel
+  logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
   server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
   server.start()
   host, port = server.get_host_and_port()
