@@ -72,8 +72,7 @@ class PPORollouts(Rollouts):
       rows = {"old_logprobs": old_BT, "old_values": values_BT * mask_BT,
               "advantages": ppo_lib.whiten(advantages_BT, mask_BT), "returns": returns_BT}
       return rows, stats
-    token = {k: batch_sharding(setup.mesh, 4 if k == grpo_lib.ROUTING else 2)
-             for k in self.objective.row_keys}
+    token = self.objective.row_shardings(setup.mesh)
     return jax.jit(prepare, in_shardings=(setup.shardings.params, setup.frozen_shardings, token,
                                           batch_sharding(setup.mesh),
                                           batch_sharding(setup.mesh, 1)),

@@ -138,7 +138,6 @@ class RewardModelScorer:
       return reward_lib.sequence_rewards(nnx.merge(graphdef, params), ids_BT, mask_BT)
     self._score = jax.jit(score, in_shardings=(None, rows, rows),
                           out_shardings=batch_sharding(mesh, 1))
-    self.truncated = 0  # rows cut to self.length so far
 
   def rows(self, records, completions: list[str], ended_B: np.ndarray):
     """(ids [B, L], mask [B, L]) of this process's rollouts, right-padded."""
@@ -150,9 +149,7 @@ class RewardModelScorer:
       pieces = [formats.prompt_ids(self.tokenizer, record), self.tokenizer.encode(completion)]
       if ended_B[i] and eos is not None:
         pieces.append([eos])
-      row = np.concatenate(pieces).astype(np.int32)
-      self.truncated += len(row) > n
-      row = row[:n]
+      row = np.concatenate(pieces).astype(np.int32)[:n]
       if row.size and int(row.max()) >= self.vocab_size:
         raise ConfigError(f"grpo.reward_models: {self.spec.path!r}: token id {int(row.max())} "
                           f"of its tokenizer {self.tokenizer.name} is past its vocabulary "

@@ -192,10 +192,8 @@ class Rollouts(Feeder):
       model = merge_model(graphdef, params, frozen)
       return grpo_lib.token_logprobs(model, batch, chunk_size=chunk,
                                      vocab_limit=self.objective.vocab_limit)
-    shardings = {k: batch_sharding(setup.mesh, 4 if k == grpo_lib.ROUTING else 2)
-                 for k in self.objective.row_keys}
     return jax.jit(old_logprobs, in_shardings=(setup.shardings.params, setup.frozen_shardings,
-                                               shardings),
+                                               self.objective.row_shardings(setup.mesh)),
                    out_shardings=batch_sharding(setup.mesh))
 
   # -- one batch of rollouts ----------------------------------------------------------------------

@@ -21,6 +21,16 @@ from tests.conftest import FAST_XLA_FLAG
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def shipped_config(name: str, **changes):
+  """configs/NAME.py with changes given as {"group.key": value} (e.g. **{"lora.rank": 4})."""
+  from jaxtrain.config import load_config_file  # pylint: disable=import-outside-toplevel
+  config = load_config_file(os.path.join(REPO, "configs", f"{name}.py"))
+  for key, value in changes.items():
+    group, name_ = key.split(".")
+    config[group][name_] = value
+  return config
+
+
 def small_config(**model_overrides):
   """A config whose dims divide every test mesh: H=8, K=4, D=64, F=128, V=128."""
   c = default_config()

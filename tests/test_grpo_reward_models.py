@@ -15,11 +15,12 @@ from flax import nnx
 
 from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain import objectives, reward, reward_models, run_weights
-from jaxtrain.config import ConfigError, load_config_file
+from jaxtrain.config import ConfigError
 from jaxtrain.data import formats
 from jaxtrain.data.documents import tokenizer_for
 from jaxtrain.data.preference import pair_rows
-from tests.helpers import REPO, assert_one_line_config_error, mesh_of, run_cli
+from tests.helpers import (REPO, assert_one_line_config_error, mesh_of, run_cli,
+                           shipped_config)
 
 
 def test_entries_and_the_metric_name_of_every_source():
@@ -33,26 +34,17 @@ def test_entries_and_the_metric_name_of_every_source():
     reward_models.parse_specs("runs/rm:half")
 
 
-def _grpo(**changes):
-  config = load_config_file(os.path.join(REPO, "configs", "grpo_tiny.py"))
-  for key, value in changes.items():
-    group, name = key.split(".")
-    config[group][name] = value
-  return config
-
-
 def test_reward_models_that_cannot_serve_are_one_line_errors(tmp_path):
-  assert_one_line_config_error(_grpo(**{"grpo.reward_models": str(tmp_path / "none")}), 1,
-                               ["grpo.reward_models", "none'", "no such directory"])
+  def refused(key, value, words):
+    assert_one_line_config_error(shipped_config("grpo_tiny", **{key: value}), 1, words)
+  refused("grpo.reward_models", str(tmp_path / "none"),
+          ["grpo.reward_models", "none'", "no such directory"])
   lm = tmp_path / "lm_weights"  # a weights directory of a language model: its config.py
   lm.mkdir()
   shutil.copy(os.path.join(REPO, "configs", "tiny.py"), lm / "config.py")
-  assert_one_line_config_error(_grpo(**{"grpo.reward_models": f"{lm}:0.5"}), 1,
-                               ["grpo.reward_models", "lm_weights", "no score head"])
-  assert_one_line_config_error(_grpo(**{"grpo.reward_models": str(tmp_path)}), 1,
-                               ["grpo.reward_models", "no model config found"])
-  assert_one_line_config_error(_grpo(**{"grpo.reward_fns": ""}), 1,
-                               ["grpo.reward_fns=''", "grpo.reward_models=''"])
+  refused("grpo.reward_models", f"{lm}:0.5", ["grpo.reward_models", "lm_weights", "no score head"])
+  refused("grpo.reward_models", str(tmp_path), ["grpo.reward_models", "no model config found"])
+  refused("grpo.reward_fns", "", ["grpo.reward_fns=''", "grpo.reward_models=''"])
 
 
 def _records(n=48):
@@ -125,7 +117,7 @@ def test_grpo_with_a_reward_model_and_a_function_logs_both_sources(reward_tiny_w
   assert {"eval_reward_similarity_mean", "eval_reward_reward_tiny_mean"} <= set(evals[-1])
 
   # The dry run counts the reward model's weights: exact bytes, in the total.
-  config = _grpo(**{"grpo.reward_models": str(reward_tiny_workdir)})
+  config = shipped_config("grpo_tiny", **{"grpo.reward_models": str(reward_tiny_workdir)})
   resident = objectives.get(config).resident_bytes(config, mesh_of((1, 1, 1)))
   rm_config = ml_collections.ConfigDict(ckpt_lib.saved_config(str(reward_tiny_workdir)))
   from jaxtrain.models import cost  # pylint: disable=import-outside-toplevel

@@ -6,8 +6,7 @@ import os
 
 import pytest
 
-from jaxtrain.config import load_config_file
-from tests.helpers import REPO, assert_one_line_config_error, run_cli
+from tests.helpers import assert_one_line_config_error, run_cli, shipped_config
 
 STEPS = 8  # two batches of rollouts of 2 epochs x 2 minibatches
 SMALL = ["--config=configs/ppo_tiny.py", "--config.train.global_batch_size=8",
@@ -56,14 +55,6 @@ def test_ppo_logs_its_metrics_and_resumes_on_the_same_rollouts(tmp_path):
   assert [key(r) for r in split] == [key(r) for r in whole]  # bitwise
 
 
-def _ppo(**changes):
-  config = load_config_file(os.path.join(REPO, "configs", "ppo_tiny.py"))
-  for key, value in changes.items():
-    group, name = key.split(".")
-    config[group][name] = value
-  return config
-
-
 @pytest.mark.parametrize("changes,words", [
     ({"model.value_head": False}, ["train.objective='ppo' without a value head",
                                     "model.value_head=True"]),
@@ -74,4 +65,4 @@ def _ppo(**changes):
     ({"mesh.context": 2}, ["mesh.context=2", "train.objective='ppo'"]),
 ])
 def test_settings_ppo_cannot_train_with_are_one_line_errors(changes, words):
-  assert_one_line_config_error(_ppo(**changes), 1, words)
+  assert_one_line_config_error(shipped_config("ppo_tiny", **changes), 1, words)

@@ -4,7 +4,6 @@ the Bradley-Terry loss and its metrics against numpy, and reward_tiny's training
 import functools
 import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ from jaxtrain import reward
 from jaxtrain.models import cost
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import create_model
-from tests.helpers import REPO, assert_one_line_config_error, mesh_of, run_cli
+from tests.helpers import assert_one_line_config_error, mesh_of, run_cli, shipped_config
 
 CFG = ModelConfig.of(vocab_size=61, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                      head_dim=8, mlp_dim=64, max_position_embeddings=64, remat_policy="none",
@@ -92,21 +91,12 @@ def test_reward_sums_score_both_sides_in_one_pass():
     reward.reward_sums(model, batch)
 
 
-def _reward_config(**changes):
-  from jaxtrain.config import load_config_file  # pylint: disable=import-outside-toplevel
-  config = load_config_file(os.path.join(REPO, "configs", "reward_tiny.py"))
-  for key, value in changes.items():
-    group, name = key.split(".")
-    config[group][name] = value
-  return config
-
-
 @pytest.mark.parametrize("changes,words", [
     ({"data.format": "lm"}, ["train.objective='reward'", "data.format='lm'", "preference"]),
     ({"reward.margin": -1.0}, ["reward.margin=-1.0", ">= 0"]),
 ])
 def test_settings_a_reward_model_cannot_train_with_are_one_line_errors(changes, words):
-  assert_one_line_config_error(_reward_config(**changes), 1, words)
+  assert_one_line_config_error(shipped_config("reward_tiny", **changes), 1, words)
 
 
 @pytest.mark.slow(seconds=40)

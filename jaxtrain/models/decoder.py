@@ -261,9 +261,9 @@ class Decoder(nnx.Module):
                                                        {k: v[i] for k, v in cache.items()},
                                                        start_B)
         layer_caches.append(layer_cache)
-        routing.append(no_experts(1)[0] if experts_BCK is None else experts_BCK)
+        if with_routing:
+          routing.append(no_experts(1)[0] if experts_BCK is None else experts_BCK)
       new_cache = jax.tree.map(lambda *c: jnp.stack(c), *layer_caches)
-      routing_LBCK = jnp.stack(routing)
     else:
       stack_caches, routing = [], []
       stacks = self._stacks()
@@ -279,19 +279,21 @@ class Decoder(nnx.Module):
         def run_stack(x_BCD, block, layer_cache, sliding):
           x_BCD, layer_cache, experts_BCK = block.decode(x_BCD, positions_BC, layer_cache,
                                                          start_B, sliding)
-          return x_BCD, (layer_cache, experts_BCK)
+          # The experts leave the scan only when asked for: the decode loop's hot path.
+          return x_BCD, (layer_cache, experts_BCK if with_routing else None)
 
         x_BCD, (stack_cache, experts_LBCK) = run_stack(x_BCD, layers, stack_cache, sliding)
         stack_caches.append(stack_cache)
-        routing.append(no_experts(end - start) if experts_LBCK is None else experts_LBCK)
+        if with_routing:
+          routing.append(no_experts(end - start) if experts_LBCK is None else experts_LBCK)
       new_cache = (stack_caches[0] if len(stack_caches) == 1
                    else jax.tree.map(lambda *c: jnp.concatenate(c), *stack_caches))
-      routing_LBCK = jnp.concatenate(routing)
     x_BCD = self.final_norm(x_BCD)
     logits_BCV = jnp.einsum("BCD,DV->BCV", x_BCD, self.head_weights(),
                             preferred_element_type=jnp.float32)
     if with_routing:
-      return logits_BCV, new_cache, routing_LBCK
+      return logits_BCV, new_cache, jnp.concatenate(routing) if cfg.runtime.scan_layers else \
+          jnp.stack(routing)
     return logits_BCV, new_cache
 
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *,

@@ -116,6 +116,12 @@ class GRPO(Objective):
                         f"policy (it replays each token's experts); leave it False for a dense "
                         f"model")
 
+  def row_shardings(self, mesh) -> dict:
+    """{key: sharding} of the per-token arrays of a row the policy's passes read (row_keys):
+    [B, T], and the replayed routing [B, T, layers, k], rows over the data-parallel axes."""
+    from jaxtrain.parallel.mesh import batch_sharding  # pylint: disable=import-outside-toplevel
+    return {k: batch_sharding(mesh, 4 if k == grpo_lib.ROUTING else 2) for k in self.row_keys}
+
   def routing_shape(self, config, rows: int) -> tuple[int, ...]:
     """[rows, seq_len, num_layers, k] of the replayed routing (grpo_lib.ROUTING)."""
     return (rows, config.train.seq_len, config.model.num_layers,
