@@ -146,3 +146,109 @@ def read_ranges(path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
   def fetch(fs, p):
     return fs.cat_ranges([p] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges])
   return list(_call(path, fetch))
+
+
+# --- Whole directories: what checkpoints, workdirs and weights directories on a bucket need. ---
+
+STAGING_ENV = "JAXTRAIN_STAGING_DIR"
+
+
+def staging_path(url: str, *parts: str) -> str:
+  """The local directory where a URL's files are staged (written before an upload, read after a
+  download): `$JAXTRAIN_STAGING_DIR/<scheme>/<bucket>/<path>`, by default under the system's temp
+  directory. A run on several hosts stages checkpoints for s3:// in it, so there it must be a
+  directory all hosts share (jaxtrain/checkpoint_mirror.py)."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  root = os.environ.get(STAGING_ENV) or os.path.join(
+      tempfile.gettempdir(), f"jaxtrain-staging-{os.getuid() if hasattr(os, 'getuid') else 0}")
+  scheme, _, rest = url.partition("://")
+  return os.path.join(os.path.abspath(os.path.expanduser(root)), scheme,
+                      *[p for p in rest.split("/") if p not in ("", ".", "..")], *parts)
+
+
+def listdir(path: str) -> list[str]:
+  """Names (not paths) of the entries directly under `path`; [] when it does not exist."""
+  if not is_url(path):
+    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+  def names(fs, p):
+    try:
+      entries = fs.ls(p, detail=False, refresh=True)
+    except FileNotFoundError:
+      return []
+    return sorted({posixpath.basename(e.rstrip("/")) for e in entries} - {""})
+  return _call(path, names)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+  if not is_url(path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "wb") as f:
+      f.write(data)
+    return
+  _call(path, lambda fs, p: fs.pipe_file(p, data))
+
+
+def remove_tree(path: str) -> None:
+  """Deletes `path` and everything under it; nothing when it does not exist."""
+  if not is_url(path):
+    import shutil  # pylint: disable=import-outside-toplevel
+    shutil.rmtree(path, ignore_errors=True)
+    return
+
+  def remove(fs, p):
+    files = fs.find(p)
+    if files:
+      fs.rm(files)
+  _call(path, remove)
+
+
+def _local_files(local_dir: str, exclude: tuple[str, ...]) -> list[str]:
+  """Paths relative to `local_dir` of its files, sorted, without those under `exclude`d
+  top-level names."""
+  out = []
+  for root, dirs, files in os.walk(local_dir):
+    rel_root = os.path.relpath(root, local_dir)
+    if rel_root == ".":
+      dirs[:] = [d for d in dirs if d not in exclude]
+    out += [os.path.normpath(os.path.join(rel_root, f)) for f in files
+            if rel_root != "." or f not in exclude]
+  return sorted(out)
+
+
+def upload_dir(local_dir: str, url: str, *, last: tuple[str, ...] = (),
+               exclude: tuple[str, ...] = (), only: list[str] | None = None) -> list[str]:
+  """Copies the files under `local_dir` to the same relative paths under `url`, concurrently;
+  the files named in `last` (relative paths) after all others, so a reader that waits for them
+  sees the rest complete. `only` limits the copy to those relative paths. Returns the relative
+  paths copied."""
+  rel = [p for p in (only if only is not None else _local_files(local_dir, exclude))
+         if os.path.isfile(os.path.join(local_dir, p))]
+  first = [p for p in rel if p not in last]
+  then = [p for p in last if p in rel]
+
+  def put(fs, base):
+    for group in (first, then):
+      if group:
+        fs.put([os.path.join(local_dir, p) for p in group],
+               [posixpath.join(base, p.replace(os.sep, "/")) for p in group])
+  _call(url, put)
+  return rel
+
+
+def download_dir(url: str, local_dir: str, *, exclude: tuple[str, ...] = ()) -> list[str]:
+  """Copies every object under `url` to the same relative paths under `local_dir` (created),
+  concurrently, leaving out those under `exclude`d top-level names. Returns the relative paths.
+  Raises StorageError when nothing is there."""
+  def get(fs, base):
+    base = base.rstrip("/")
+    remote = [f for f in fs.find(base) if not f.endswith("/")]
+    rel = [posixpath.relpath(f, base) for f in remote]
+    keep = [(r, f) for r, f in zip(rel, remote) if r.split("/", 1)[0] not in exclude]
+    for r, _ in keep:
+      os.makedirs(os.path.dirname(os.path.join(local_dir, r)), exist_ok=True)
+    if keep:
+      fs.get([f for _, f in keep], [os.path.join(local_dir, r) for r, _ in keep])
+    return [r for r, _ in keep]
+  os.makedirs(local_dir, exist_ok=True)
+  return _call(url, get)
