@@ -10,6 +10,9 @@ data/ holds the data iterator's state: `global_stream.json` for data read as one
 `shard_<s>-of-<S>.json` (the grain iterator state), written by one process that reads the
 shard. Either way a run on another number of processes resumes the data stream exactly
 (jaxtrain/data/global_stream.py, jaxtrain/data/shards.py).
+
+The directory may be a bucket: gs:// Orbax writes and reads directly; s3:// is staged locally and
+uploaded step by step, a marker last (jaxtrain/checkpoint_mirror.py).
 """
 
 from __future__ import annotations
@@ -19,15 +22,19 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from absl import logging as absl_logging
+from etils import epath
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jaxtrain import checkpoint_mirror, storage
 from jaxtrain.config import ConfigError
 from jaxtrain.data.global_stream import GlobalBatchStream
 from jaxtrain.data.shards import ShardedIterator
@@ -41,30 +48,66 @@ class Checkpointer:
   written) and restores the latest complete checkpoint onto the given shardings."""
 
   def __init__(self, directory: str, *, every_steps: int, max_to_keep: int | None = 3,
-               keep_period: int | None = None, async_save: bool = True):
-    self.directory = os.path.abspath(directory)
+               keep_period: int | None = None, async_save: bool = True,
+               before_upload=None):
+    """`before_upload`: called on the upload thread after each save is started and before the
+    checkpoint counts as complete on a bucket (the run directory's push of its metrics, so a
+    bucket never holds a checkpoint newer than its metrics)."""
+    self.directory = directory.rstrip("/") if storage.is_url(directory) else os.path.abspath(
+        directory)
     self.every_steps = every_steps
+    self.mirror = None
+    local = self.directory
+    if checkpoint_mirror.needs_mirror(self.directory):
+      self.mirror = checkpoint_mirror.CheckpointMirror(
+          self.directory, max_to_keep=max_to_keep, keep_period=keep_period)
+      local = self.mirror.local
+      if jax.process_index() == 0:  # the bucket, not an earlier staging copy, holds the steps
+        checkpoint_mirror.clear_local_steps(local)
+      checkpoint_mirror.check_shared_staging(local)
+      # The staging directory needs only the newest step: the previous one is uploaded before
+      # the next save starts (save() joins the upload).
+      max_to_keep, keep_period = 1, None
+    self._before_upload = before_upload
+    self._uploader = checkpoint_mirror.Uploader()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, keep_period=keep_period,
         enable_async_checkpointing=async_save, create=True)
     # Handlers named up front so metadata (shapes) can be read before restoring.
     self.manager = ocp.CheckpointManager(
-        self.directory, options=options, item_names=("state", "data", "meta"),
+        local, options=options, item_names=("state", "data", "meta"),
         item_handlers={"state": ocp.StandardCheckpointHandler(),
                        "data": DataShardsHandler(),
                        "meta": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
+    self._uploader.join()
+    if self.mirror:
+      steps = self.mirror.complete_steps()
+      return steps[-1] if steps else None
     return self.manager.latest_step()
 
   def should_save(self, step: int, last_step: int) -> bool:
     return self.every_steps > 0 and (step % self.every_steps == 0 or step == last_step)
 
   def save(self, step: int, state: Any, data_iterator, meta: dict) -> None:
+    """Starts saving `step`. Waits first for the previous step's upload to a bucket (and raises
+    its error): uploads keep pace with saves, one at a time."""
+    self._uploader.join()
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=DataShardsSave(_as_sharded(data_iterator)),
         meta=ocp.args.JsonSave(meta)), force=True)
+    if self.mirror or self._before_upload:
+      self._uploader.start(lambda: self._finish(step))
+
+  def _finish(self, step: int) -> None:
+    """On the upload thread: the run directory's push, the commit, then the step's upload."""
+    if self._before_upload:
+      self._before_upload()
+    self.manager.wait_until_finished()
+    if self.mirror and jax.process_index() == 0:
+      self.mirror.upload(step)
 
   def restore(self, step: int, abstract_state: Any, data_iterator) -> tuple[Any, dict]:
     """(state on the abstract state's shardings, meta); the data iterator is restored in
@@ -88,29 +131,57 @@ class Checkpointer:
     before it is used. A checkpoint of another model (shape mismatch) is an error instead:
     falling back would silently train from the wrong weights.
     """
-    for step in sorted(self.manager.all_steps(), reverse=True):
+    self._uploader.join()
+    steps = self.mirror.complete_steps() if self.mirror else self.manager.all_steps()
+    for step in sorted(steps, reverse=True):
+      if self.mirror:
+        self._fetch(step)
       try:
         state, _ = self.restore(step, abstract_state, data_iterator)
         return state, step
       except ConfigError:
         raise
       except Exception as e:  # pylint: disable=broad-except
-        # Kept for inspection, but out of the manager's way: this run saves that step again.
-        aside = f"{self.directory}/{step}.corrupted-{int(time.time())}"
-        print(f"warning: checkpoint {self.directory}/{step} is incomplete or corrupted "
-              f"({type(e).__name__}: {_first_line(e)}); moved to {aside}, trying the one "
-              f"before it", flush=True)
-        if jax.process_index() == 0:
-          os.rename(f"{self.directory}/{step}", aside)
-        self.manager.reload()
+        self._set_aside(step, e)
     return None, None
 
+  def _fetch(self, step: int) -> None:
+    """The bucket's `step` into the staging directory (by process 0; the others wait)."""
+    if jax.process_index() == 0:
+      self.mirror.download(step)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"jaxtrain checkpoint {step} downloaded")
+    self.manager.reload()
+
+  def _set_aside(self, step: int, e: Exception) -> None:
+    """Takes an unreadable step out of the manager's way (this run saves that step again), kept
+    for inspection: renamed locally or on gs://; on s3://, its marker is renamed."""
+    where = f"{self.directory}/{step}"
+    if self.mirror:
+      aside = f"{where}/{checkpoint_mirror.COMMIT_MARKER}.corrupted"
+    else:
+      aside = f"{where}.corrupted-{int(time.time())}"
+    print(f"warning: checkpoint {where} is incomplete or corrupted ({type(e).__name__}: "
+          f"{_first_line(e)}); set aside as {aside}, trying the one before it", flush=True)
+    if jax.process_index() == 0:
+      if self.mirror:
+        marker = f"{where}/{checkpoint_mirror.COMMIT_MARKER}"
+        storage.write_bytes(aside, b"")
+        storage.remove_tree(marker)
+      else:
+        epath.Path(where).rename(epath.Path(aside))
+    self.manager.reload()
+
   def wait(self) -> None:
+    """Until the last save is committed (and, on s3://, uploaded)."""
     self.manager.wait_until_finished()
+    self._uploader.join()
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    try:
+      self.wait()
+    finally:
+      self.manager.close()
 
 
 def _as_sharded(data_iterator) -> ShardedIterator | GlobalBatchStream:
@@ -220,7 +291,15 @@ def _missing_shard_message(directory, shard: int, num_shards: int) -> str:
 def save_params(directory: str, params: Any) -> str:
   """Writes `params` as a weights directory (DIRECTORY/params), the params-only format that
   `checkpoint.init_from` reads (e.g. a converted Hugging Face model). Returns the params path."""
-  path = os.path.join(os.path.abspath(directory), WEIGHTS_ITEM)
+  if checkpoint_mirror.needs_mirror(directory):  # written locally, then uploaded
+    staged = storage.staging_path(directory, "save-params")
+    shutil.rmtree(staged, ignore_errors=True)
+    save_params(staged, params)
+    if jax.process_index() == 0:
+      storage.upload_dir(staged, directory)
+    return storage.join(directory, WEIGHTS_ITEM)
+  base = directory if storage.is_url(directory) else os.path.abspath(directory)
+  path = storage.join(base, WEIGHTS_ITEM)
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(path, params)
     checkpointer.wait_until_finished()
@@ -319,28 +398,63 @@ def saved_config(path: str) -> dict | None:
   """The resolved config (a dict) a run saved with the checkpoint that `load_params(path)` reads,
   or None for a weights directory (its config is the user's, e.g. its config.py)."""
   item, subtree = _weights_item(path)
-  meta = os.path.join(os.path.dirname(item), "meta", "metadata")
-  if not subtree or not os.path.exists(meta):
+  meta = storage.join(storage.parent(item), "meta", "metadata")
+  if not subtree or not storage.exists(meta):
     return None
-  with open(meta, encoding="utf-8") as f:
-    return json.load(f)["config"]
+  return json.loads(storage.read_bytes(meta))["config"]
 
 
 def _weights_item(path: str) -> tuple[str, str | None]:
-  """(Orbax item directory, key of the params subtree in it or None) for an init_from path."""
-  path = os.path.abspath(path)
-  if os.path.isdir(os.path.join(path, WEIGHTS_ITEM)):
-    return os.path.join(path, WEIGHTS_ITEM), None
-  if os.path.isdir(os.path.join(path, "state")):
-    return os.path.join(path, "state"), "params"
-  for directory in (path, os.path.join(path, "checkpoints")):
-    steps = [int(n) for n in (os.listdir(directory) if os.path.isdir(directory) else [])
-             if n.isdigit() and os.path.isdir(os.path.join(directory, n, "state"))]
-    if steps:
-      return os.path.join(directory, str(max(steps)), "state"), "params"
-  raise ConfigError(f"checkpoint.init_from={path!r}: holds neither params/ (converted weights) "
-                    f"nor a run's checkpoint (<step>/state); give a checkpoint step directory, a "
-                    f"run's workdir, or a directory written by checkpoint.save_params")
+  """(Orbax item directory, key of the params subtree in it or None) for an init_from path.
+
+  On s3:// the item's directory is downloaded into the staging directory (once per process) and
+  the local copy returned; gs:// is read by Orbax directly."""
+  if not storage.is_url(path):
+    path = os.path.abspath(path)
+  if storage.isdir(storage.join(path, WEIGHTS_ITEM)):
+    item, subtree = storage.join(path, WEIGHTS_ITEM), None
+  elif storage.isdir(storage.join(path, "state")):
+    item, subtree = storage.join(path, "state"), "params"
+  else:
+    for directory in (path, storage.join(path, "checkpoints")):
+      steps = [int(n) for n in storage.listdir(directory) if n.isdigit() and
+               _complete_step(storage.join(directory, n))]
+      if steps:
+        item, subtree = storage.join(directory, str(max(steps)), "state"), "params"
+        break
+    else:
+      raise ConfigError(f"checkpoint.init_from={path!r}: holds neither params/ (converted "
+                        f"weights) nor a run's checkpoint (<step>/state); give a checkpoint step "
+                        f"directory, a run's workdir, or a directory written by "
+                        f"checkpoint.save_params")
+  if checkpoint_mirror.needs_mirror(item):
+    item = _staged_copy(item)
+  return item, subtree
+
+
+def _complete_step(step_dir: str) -> bool:
+  """A step directory that holds a whole checkpoint: locally Orbax's rename made it whole; on a
+  bucket the step's commit marker (Orbax's on gs://, the uploader's on s3://) says so."""
+  if not storage.isdir(storage.join(step_dir, "state")):
+    return False
+  return (not storage.is_url(step_dir)
+          or storage.exists(storage.join(step_dir, checkpoint_mirror.COMMIT_MARKER)))
+
+
+_STAGED: dict[str, str] = {}
+
+
+def _staged_copy(item_url: str) -> str:
+  """A local copy of an Orbax item on s3:// (with its step's or weights directory's other files:
+  meta/, config.py), made once per process in a directory of its own, so processes that share a
+  host never write one copy together."""
+  if item_url not in _STAGED:
+    parent = storage.parent(item_url)
+    local = storage.staging_path(parent, f"read-by-process-{jax.process_index()}")
+    shutil.rmtree(local, ignore_errors=True)
+    storage.download_dir(parent, local)
+    _STAGED[item_url] = os.path.join(local, os.path.basename(item_url))
+  return _STAGED[item_url]
 
 
 def abstract_like(state_shapes: Any, shardings: Any) -> Any:

@@ -24,7 +24,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to an ml-collections config file, e.g. configs/tiny.py.",
     lock_config=True)
 _WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Directory for metrics.jsonl and TensorBoard events "
+    "workdir", None, "Directory for metrics.jsonl, TensorBoard events and checkpoints: a local "
+    "path, or s3://BUCKET/PATH or gs://BUCKET/PATH (the cloud extra) "
     "(default: runs/<config name>).")
 _DRY_RUN = flags.DEFINE_bool(
     "dry_run", False, "Compile the train step for the config's target on abstract inputs, with "
@@ -102,9 +103,9 @@ def main(argv):
   import jax  # pylint: disable=import-outside-toplevel
   from jaxtrain import distributed  # pylint: disable=import-outside-toplevel
   from jaxtrain.config import ConfigError  # pylint: disable=import-outside-toplevel
-  from jaxtrain.config_checks import validate  # pylint: disable=import-outside-toplevel
+  from jaxtrain.config_checks import check_run_storage, validate  # pylint: disable=import-outside-toplevel
   from jaxtrain.parallel.mesh import num_slices  # pylint: disable=import-outside-toplevel
-  from jaxtrain import trainer  # pylint: disable=import-outside-toplevel
+  from jaxtrain import storage, trainer  # pylint: disable=import-outside-toplevel
   from jaxtrain.health import TrainingHealthError  # pylint: disable=import-outside-toplevel
   from jaxtrain.data.sources import DataError  # pylint: disable=import-outside-toplevel
   from jaxtrain.rewards import RewardError  # pylint: disable=import-outside-toplevel
@@ -124,6 +125,7 @@ def main(argv):
       mesh_shape = validate(config, jax.device_count(), jax.default_backend(),
                             num_processes=jax.process_count(), num_slices=num_slices())
       _check_precision(config, jax.devices()[0])
+      check_run_storage(config, workdir)
     except ConfigError as e:
       # Every process checks the same config against the same global devices, so all fail
       # here alike: they leave together, each saying so, through JAX's shutdown barrier.
@@ -154,7 +156,7 @@ def main(argv):
     evals = ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in result.items()
                       if k.startswith("eval_") and isinstance(v, float))
     print(f"done in {time.perf_counter() - start:.1f}s: final loss {result['loss']:.4f}"
-          f"{', ' + evals if evals else ''}; metrics in {os.path.join(workdir, 'metrics.jsonl')}",
+          f"{', ' + evals if evals else ''}; metrics in {storage.join(workdir, 'metrics.jsonl')}",
           flush=True)
 
 

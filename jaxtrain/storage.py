@@ -61,9 +61,12 @@ def _explain(url: str, e: Exception) -> StorageError:
     return StorageError(f"{url}: the bucket {bucket!r} does not exist (or is not visible to "
                         f"these credentials); create it or fix the URL")
   if "NoCredentials" in text or "credentials" in text.lower():
-    return StorageError(f"{url}: no credentials for {url.partition('://')[0]}://; set "
-                        f"AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE (s3), or "
-                        f"GOOGLE_APPLICATION_CREDENTIALS (gs) ({text[:120]})")
+    scheme = url.partition("://")[0]
+    how = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run on a machine "
+           "with an instance role" if scheme == "s3" else
+           "run `gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS, or "
+           "run on a VM with a service account")
+    return StorageError(f"{url}: no credentials for {scheme}://; {how} ({text[:120]})")
   if isinstance(e, FileNotFoundError):
     return StorageError(f"{url}: no such object")
   return StorageError(f"{url}: {text[:200]}")
@@ -87,6 +90,13 @@ def join(base: str, *names: str) -> str:
   return os.path.join(base, *names)
 
 
+def parent(path: str) -> str:
+  """The directory that holds `path` (a URL's parent is a URL)."""
+  if is_url(path):
+    return posixpath.dirname(path.rstrip("/"))
+  return os.path.dirname(os.path.abspath(path))
+
+
 def exists(path: str) -> bool:
   if not is_url(path):
     return os.path.exists(path)
@@ -101,6 +111,11 @@ def check_bucket(url: str, key: str = "") -> None:
   bucket = rest.split("/", 1)[0]
   if not _call(f"{scheme}://{bucket}", lambda fs, p: fs.exists(p)):
     where = f"{key}: " if key else ""
+    # exists() answers False for any failure: a listing says why (no credentials, no bucket).
+    try:
+      _call(url, lambda fs, p: fs.ls(f"{scheme}://{bucket}", refresh=True))
+    except StorageError as e:
+      raise StorageError(f"{where}{e}") from None
     raise StorageError(f"{where}{url}: the bucket {bucket!r} does not exist (or these "
                        f"credentials cannot see it); create it or fix the URL")
 
@@ -203,7 +218,7 @@ def remove_tree(path: str) -> None:
   _call(path, remove)
 
 
-def _local_files(local_dir: str, exclude: tuple[str, ...]) -> list[str]:
+def local_files(local_dir: str, exclude: tuple[str, ...]) -> list[str]:
   """Paths relative to `local_dir` of its files, sorted, without those under `exclude`d
   top-level names."""
   out = []
@@ -222,7 +237,7 @@ def upload_dir(local_dir: str, url: str, *, last: tuple[str, ...] = (),
   the files named in `last` (relative paths) after all others, so a reader that waits for them
   sees the rest complete. `only` limits the copy to those relative paths. Returns the relative
   paths copied."""
-  rel = [p for p in (only if only is not None else _local_files(local_dir, exclude))
+  rel = [p for p in (only if only is not None else local_files(local_dir, exclude))
          if os.path.isfile(os.path.join(local_dir, p))]
   first = [p for p in rel if p not in last]
   then = [p for p in last if p in rel]
@@ -252,3 +267,71 @@ def download_dir(url: str, local_dir: str, *, exclude: tuple[str, ...] = ()) -> 
     return [r for r, _ in keep]
   os.makedirs(local_dir, exist_ok=True)
   return _call(url, get)
+
+
+# --- Objects one by one and by glob: what raw data files on a bucket need. ---
+
+
+def _object_version(info: dict) -> str:
+  """What changes when an object is rewritten, from its listing entry: the ETag (s3://), the
+  generation (gs://), else a checksum or the modification time."""
+  for key in ("ETag", "etag", "generation", "md5Hash", "crc32c", "LastModified", "mtime",
+              "updated"):
+    if info.get(key) is not None:
+      return str(info[key])
+  return ""
+
+
+def glob_objects(pattern: str) -> list[tuple[str, int, str]]:
+  """(URL, size, version) of every object a glob URL matches (`*`, `?`, `[...]`, and `**` for
+  any depth, as Python's recursive glob), sorted by URL; [] when none match. The version is
+  the object's ETag or generation: it changes when the object is rewritten."""
+  scheme = pattern.partition("://")[0]
+
+  def match(fs, p):
+    fs.invalidate_cache()  # a listing cached earlier in this process may predate a rewrite
+    return fs.glob(p, detail=True)
+  found = _call(pattern, match)
+  return sorted((f"{scheme}://{name.lstrip('/')}", int(info.get("size") or 0),
+                 _object_version(info))
+                for name, info in found.items() if info.get("type") == "file")
+
+
+def object_version(url: str) -> tuple[int, str] | None:
+  """(size, version) of the object at `url` (see glob_objects); None when there is no object
+  there (nothing, or only a prefix of other objects)."""
+  def stat(fs, p):
+    fs.invalidate_cache(p)  # an entry cached earlier in this process may predate a rewrite
+    try:
+      info = fs.info(p)
+    except FileNotFoundError:
+      return None
+    return (int(info.get("size") or 0), _object_version(info)) if info.get(
+        "type") == "file" else None
+  return _call(url, stat)
+
+
+def download_files(urls: list[str], local_paths: list[str]) -> None:
+  """Copies each object in `urls` to the local path beside it (its directory must exist),
+  concurrently."""
+  by_scheme: dict[str, list[tuple[str, str]]] = {}
+  for url, local in zip(urls, local_paths):
+    by_scheme.setdefault(url.partition("://")[0], []).append((url, local))
+  for pairs in by_scheme.values():
+    # A failure names the first object; the client's own text, which _explain keeps, names
+    # the one that failed.
+    label = pairs[0][0] if len(pairs) == 1 else f"{pairs[0][0]} (and {len(pairs) - 1} more)"
+    fs, _ = _filesystem(pairs[0][0])
+    try:
+      fs.get([u.partition("://")[2] for u, _ in pairs], [p for _, p in pairs])
+    except Exception as e:  # pylint: disable=broad-except  # the clients raise many kinds
+      raise _explain(label, e) from None
+
+
+def remove_files(urls: list[str]) -> None:
+  """Deletes the objects in `urls`, concurrently (s3://: a request per thousand)."""
+  by_scheme: dict[str, list[str]] = {}
+  for url in urls:
+    by_scheme.setdefault(url.partition("://")[0], []).append(url)
+  for group in by_scheme.values():
+    _call(group[0], lambda fs, _, group=group: fs.rm([u.partition("://")[2] for u in group]))

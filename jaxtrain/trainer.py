@@ -22,6 +22,7 @@ from jaxtrain.data import shards as data_shards
 from jaxtrain.feeders import evaluate, to_global_batch  # re-exported for callers of the loop
 from jaxtrain.checkpoint import Checkpointer, abstract_like, load_params
 from jaxtrain import host_memory
+from jaxtrain import storage
 from jaxtrain import metrics as metrics_lib
 from jaxtrain import preflight
 from jaxtrain import wandb_logger
@@ -32,6 +33,7 @@ from jaxtrain.models import moe, mtp
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.objectives import Objective
 from jaxtrain.rewards import RewardError
+from jaxtrain.run_directory import RunDirectory
 from jaxtrain.train_setup import Setup, build
 from jaxtrain.train_step import MAX_METRICS, TrainState
 
@@ -129,7 +131,14 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
                                                          config.precision.matmul)
   tokens_per_step = objective.tokens_per_step(config)
   flops_per_token = objective.flops_per_token(config, setup.model_cfg)
-  ckpt = _checkpointer(config, workdir)
+  # A bucket --workdir is written through a local mirror (run_directory.py); `workdir` below
+  # is that local directory, and checkpoints go to the bucket itself.
+  run_dir = RunDirectory(workdir)
+  if is_chief:
+    run_dir.pull()
+  ckpt = _checkpointer(config, run_dir.url or workdir,
+                       before_upload=run_dir.push if is_chief and run_dir.url else None)
+  workdir = run_dir.local
   state, start_step = _restore_or_init(setup, ckpt, train_iter, t.seed,
                                        config.checkpoint.init_from)
   # Taken after any restore: the iterator then continues where the checkpoint left it.
@@ -149,6 +158,7 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
                  if config.log.wandb else None)
     writer = metrics_lib.MetricsWriter(workdir, tensorboard=config.log.tensorboard,
                                        total_steps=t.steps, wandb=wandb_run)
+    run_dir.start()
   meter = _Throughput(tokens_per_step, flops_per_token, peak)
   feeder = objective.make_feeder(config, setup, workdir)
 
@@ -180,10 +190,6 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
             ckpt.save(step - 1, checkpointed(state), train_iter, _meta(config, step - 1))
           raise
         state, step_metrics = setup.train_step(state, batch)
-        if ckpt and ckpt.should_save(step, t.steps) and feeder.at_boundary(step):
-          # Blocks only to copy the state off the devices; files are written in the background.
-          ckpt.save(step, checkpointed(state), train_iter, _meta(config, step))
-          saved_step = step
         if step == start_step + 1:
           # Step 1 includes compilation; throughput is measured from its end.
           jax.block_until_ready(step_metrics)
@@ -199,6 +205,17 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
           pending = None
         if step % t.log_every == 0 or step == t.steps:
           pending = (step, {**step_metrics, **host_metrics})
+        if ckpt and ckpt.should_save(step, t.steps) and feeder.at_boundary(step):
+          if pending is not None and pending[0] == step:
+            # The save waits for this step's state anyway, so its metrics are logged now: a
+            # checkpoint is never newer than the metrics.jsonl beside it (pushed before it
+            # counts as complete on a bucket).
+            last.update(_log(writer, meter, spikes, *pending, skipped_steps=skipped_steps,
+                             metric_names=objective.metric_names))
+            pending = None
+          # Blocks only to copy the state off the devices; files are written in the background.
+          ckpt.save(step, checkpointed(state), train_iter, _meta(config, step))
+          saved_step = step
         if step % t.eval_every == 0 or step == t.steps:
           # Finish the queued train steps first: only the eval itself is excluded from
           # the throughput interval.
@@ -229,10 +246,14 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
       if previous_streak is not None and "preempted_at" not in last:
         check_bad_streak(int(previous_streak), t.steps, t.max_consecutive_bad_steps, ckpt)
   finally:
-    if writer:
-      writer.close()
-    if ckpt:
-      ckpt.close()  # waits for the last save to be committed
+    try:
+      if writer:
+        writer.close()
+      if ckpt:
+        ckpt.close()  # waits for the last save to be committed (and uploaded)
+    finally:
+      if is_chief:
+        run_dir.close()  # the last metrics to the bucket, also when the run failed
   return {"loss": last.get("loss", float("nan")), "eval_loss": last.get("eval_loss", float("nan")),
           "preempted_at": last.get("preempted_at"),
           **{k: v for k, v in last.items() if k.startswith("eval_") and k != "eval_loss"}}
@@ -285,13 +306,14 @@ def _meta(config, step: int) -> dict:
   return {"step": step, "config": config.to_dict()}
 
 
-def _checkpointer(config, workdir: str) -> Checkpointer | None:
+def _checkpointer(config, workdir: str, before_upload=None) -> Checkpointer | None:
   c = config.checkpoint
   if c.every_steps <= 0:
     return None
-  return Checkpointer(c.directory or os.path.join(workdir, "checkpoints"),
+  return Checkpointer(c.directory or storage.join(workdir, "checkpoints"),
                       every_steps=c.every_steps, max_to_keep=c.max_to_keep or None,
-                      keep_period=c.keep_every or None, async_save=c.async_save)
+                      keep_period=c.keep_every or None, async_save=c.async_save,
+                      before_upload=before_upload)
 
 
 def _restore_or_init(setup: Setup, ckpt: Checkpointer | None, train_iter, seed: int,

@@ -9,10 +9,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
+import urllib.request
 
 # What the AWS clients (botocore under s3fs) read; dummy keys: the server accepts any.
 ENV_KEYS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
-            "AWS_DEFAULT_REGION", "AWS_EC2_METADATA_DISABLED")
+            "AWS_DEFAULT_REGION", "AWS_EC2_METADATA_DISABLED", "JAXTRAIN_STAGING_DIR")
 
 
 @contextlib.contextmanager
@@ -25,16 +28,23 @@ def s3_server(bucket: str = "jaxtrain-test"):
   server.start()
   host, port = server.get_host_and_port()
   endpoint = f"http://{host}:{port}"
+  # moto keeps its buckets in this process's memory, shared by every server it starts: begin
+  # with none, whatever an earlier test module left.
+  urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"))
   saved = {k: os.environ.get(k) for k in ENV_KEYS}
   os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing",
                     AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1",
-                    AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+                    AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
+                    # Staging copies of this server's buckets in a directory of their own: two
+                    # test workers' servers hold buckets of the same name.
+                    JAXTRAIN_STAGING_DIR=tempfile.mkdtemp(prefix="jaxtrain-staging-"))
   try:
     import s3fs  # pylint: disable=import-outside-toplevel
     s3fs.S3FileSystem.clear_instance_cache()  # clients made for another endpoint
     s3fs.S3FileSystem().mkdir(bucket)
     yield endpoint, bucket
   finally:
+    shutil.rmtree(os.environ["JAXTRAIN_STAGING_DIR"], ignore_errors=True)
     for k, v in saved.items():
       if v is None:
         os.environ.pop(k, None)
