@@ -14,6 +14,11 @@ the directory, which `PreparedCorpus` memory-maps and reads piece by piece:
 `DIR/manifest.json` (version 2) is written last and atomically: a directory without one holds a
 run that did not finish. `read_manifest(DIR)` checks that a prepared corpus is complete.
 
+`--input` and `--output` may be s3:// or gs:// URLs. Input objects are downloaded into a local
+cache before the workers start (sources/remote_files.py). An output URL is built in the local
+directory `storage.staging_path(URL)` and uploaded when the run has succeeded, manifest.json last;
+an earlier corpus at the URL is removed only then, and the staging copy after.
+
 This module is the run and its command line; the worker processes that tokenize the shards are
 in prepare_workers.py, the output directory's files and manifest in prepare_output.py.
 """
@@ -33,9 +38,11 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxtrain import storage
 from jaxtrain.config import ConfigError
-from jaxtrain.data.prepare_output import (check_output, clear_output, make_manifest, read_manifest,
-                                          remove_temporaries, write_manifest)
+from jaxtrain.data.prepare_output import (check_output, check_remote_output, clear_output,
+                                          make_manifest, publish, read_manifest,
+                                          remove_staging, remove_temporaries, write_manifest)
 from jaxtrain.data.prepare_workers import (MAX_SKIP_REASONS, SMALL_INPUT_BYTES, run_shards,
                                            worker_plan)
 from jaxtrain.data.sources import (DataError, JsonlSource, ParquetSource, TextFileSource,
@@ -93,7 +100,7 @@ def _input_bytes(source, enough: int) -> int:
   """Bytes of the files `source` reads (compressed for Parquet), counted only up to `enough`:
   all of a million one-document text files would take a million stat calls."""
   total = 0
-  for path in source.paths:
+  for path in source.local_paths:
     total += os.path.getsize(path)
     if total >= enough:
       break
@@ -119,11 +126,13 @@ def prepare(input, *, format: str, tokenizer: str | Tokenizer, output: str,
   """Tokenizes `input` into token-array shards under `output`; returns the manifest written.
 
   Args:
-    input: a path, glob or list of them (see `resolve_paths`).
+    input: a path, glob or list of them (see `resolve_paths`); s3:// and gs:// URLs too.
     format: "text" (one document per file), "jsonl" (`field` of each line) or "parquet" (column
       `field`).
     tokenizer: a `load_tokenizer` spec ("byte", "hf:PATH", "sentencepiece:PATH") or a Tokenizer.
-    output: directory for the shards and `manifest.json`; created if missing.
+    output: directory for the shards and `manifest.json`; created if missing. An s3:// or
+      gs:// URL: the corpus is built in `storage.staging_path(output)` and uploaded to it when
+      finished, `manifest.json` last; the staging copy is removed after.
     field: JSONL field or Parquet column holding the text.
     add_bos, add_eos: add BOS / EOS to every document (`Tokenizer.encode_document`).
     num_workers: tokenizing processes; None: one per CPU, or one for an input under 64 MiB (see
@@ -132,7 +141,8 @@ def prepare(input, *, format: str, tokenizer: str | Tokenizer, output: str,
     docs_per_shard: documents per shard (the last shard holds the rest).
     on_bad_record: "fail" stops at the first bad record; "skip" leaves bad records out and
       counts them in the manifest's `skipped_records`.
-    overwrite: replace a finished run in `output`; without it such a directory is refused.
+    overwrite: replace a finished run in `output`; without it such a directory is refused. On
+      a bucket the earlier run's objects are removed only when the new corpus is built.
     log: called with each progress line; None for silence.
 
   Raises:
@@ -142,14 +152,47 @@ def prepare(input, *, format: str, tokenizer: str | Tokenizer, output: str,
   log = log or (lambda _: None)
   start = time.perf_counter()
   _check_args(format, on_bad_record, num_workers, docs_per_shard)
-  output = check_output(output, overwrite)
+  url = None
+  if storage.is_url(os.fspath(output)):
+    url = check_remote_output(os.fspath(output), overwrite)
+    # The staging directory is this job's own: what an earlier job left there is replaced.
+    output = check_output(storage.staging_path(url), overwrite=True)
+  else:
+    output = check_output(output, overwrite)
+  try:
+    manifest = _build(input, format=format, tokenizer=tokenizer, output=output,
+                      shown=url or output, field=field, add_bos=add_bos, add_eos=add_eos,
+                      num_workers=num_workers, docs_per_shard=docs_per_shard,
+                      on_bad_record=on_bad_record, log=log)
+    if url:
+      publish(output, url, manifest, overwrite, log)
+  finally:
+    if url:
+      # Built and uploaded, or failed: nothing in it is of use (a run starts afresh).
+      remove_staging(output)
+
+  totals = manifest["totals"]
+  elapsed = time.perf_counter() - start
+  tokens_per_sec = int(totals["tokens"] / max(elapsed, 1e-9))
+  log(f"wrote {totals['documents']} documents, {_human(totals['tokens'])} tokens in "
+      f"{totals['shards']} shards to {url or output} in {elapsed:.1f}s "
+      f"({_human(tokens_per_sec)} tokens/s)")
+  log(f"prepare: documents={totals['documents']} tokens={totals['tokens']} "
+      f"shards={totals['shards']} tokens_per_sec={tokens_per_sec}")
+  return manifest
+
+
+def _build(input, *, format, tokenizer, output: str, shown: str, field, add_bos, add_eos,
+           num_workers, docs_per_shard, on_bad_record, log) -> dict[str, Any]:
+  """Tokenizes `input` into the local directory `output` (`shown` in log lines: the URL it is
+  for); returns the manifest, written last."""
   tok = _load_tokenizer(tokenizer, add_bos, add_eos)
   tokenizer_spec = tok.name if isinstance(tokenizer, Tokenizer) else tokenizer
   dtype = token_dtype(tok.vocab_size)
   source = open_source(input, format, field, on_bad_record)
   # Only now, with input and tokenizer known good, is an earlier run's output removed.
   removed = clear_output(output)
-  if removed:
+  if removed and shown == output:  # a staging directory's leftovers are not the user's business
     log(f"removed {removed} files of an earlier run from {output}")
 
   num_shards = math.ceil(len(source) / docs_per_shard)
@@ -157,8 +200,9 @@ def prepare(input, *, format: str, tokenizer: str | Tokenizer, output: str,
                                  _input_bytes(source, SMALL_INPUT_BYTES))
   per_worker = (f" ({threads} tokenizer thread{'s' if threads > 1 else ''} each)"
                 if tok.batch_threads else "")
-  log(f"prepare: {source.describe()} -> {num_shards} shards in {output}, {workers} workers"
-      f"{per_worker}, tokenizer {tok.name}, tokens as {dtype}")
+  staged = f" (staged in {output})" if shown != output else ""
+  log(f"prepare: {source.describe()} -> {num_shards} shards in {shown}{staged}, {workers} "
+      f"workers{per_worker}, tokenizer {tok.name}, tokens as {dtype}")
   init_args = (source, tok, add_bos, add_eos, on_bad_record == "skip", output, docs_per_shard,
                num_shards, dtype)
   shards, skip_reasons = [], list(getattr(source, "skip_reasons", []))
@@ -186,18 +230,10 @@ def prepare(input, *, format: str, tokenizer: str | Tokenizer, output: str,
     raise DataError(f"input {input!r}: empty corpus: all {skipped} records were bad and skipped, "
                     f"e.g. {skip_reasons[0] if skip_reasons else '?'}")
   write_manifest(output, manifest)
-
-  elapsed = time.perf_counter() - start
-  tokens_per_sec = int(totals["tokens"] / max(elapsed, 1e-9))
   if skipped:
     log(f"skipped {skipped} bad records, e.g.:")
     for reason in skip_reasons[:MAX_SKIP_REASONS]:
       log(f"  {reason}")
-  log(f"wrote {totals['documents']} documents, {_human(totals['tokens'])} tokens in "
-      f"{totals['shards']} shards to {output} in {elapsed:.1f}s "
-      f"({_human(tokens_per_sec)} tokens/s)")
-  log(f"prepare: documents={totals['documents']} tokens={totals['tokens']} "
-      f"shards={totals['shards']} tokens_per_sec={tokens_per_sec}")
   return manifest
 
 
@@ -223,14 +259,17 @@ def _parser() -> argparse.ArgumentParser:
                   "DIR/manifest.json; train with --config.data.source=prepared "
                   "--config.data.train_paths=DIR.")
   p.add_argument("--input", required=True, nargs="+",
-                 help="files or globs (quote globs); several may follow --input")
+                 help="files or globs (quote globs), local or s3://BUCKET/... gs://BUCKET/... "
+                      "URLs; several may follow --input")
   p.add_argument("--format", required=True, choices=FORMATS,
                  help="text: one document per file; jsonl: --field of each line; parquet: "
                       "column --field")
   p.add_argument("--field", default="text", help="JSONL field or Parquet column (default: text)")
   p.add_argument("--tokenizer", required=True,
                  help="byte | hf:PATH (tokenizer.json) | sentencepiece:PATH (.model)")
-  p.add_argument("--output", required=True, help="directory for the shards and manifest.json")
+  p.add_argument("--output", required=True,
+                 help="directory for the shards and manifest.json, or an s3:// or gs:// URL "
+                      "(built locally, uploaded when finished)")
   p.add_argument("--add_bos", dest="add_bos", action="store_true", help="BOS before each document")
   p.add_argument("--no_add_bos", dest="add_bos", action="store_false", help="(default)")
   p.add_argument("--add_eos", dest="add_eos", action="store_true",

@@ -3,6 +3,10 @@
 Names the shard files, clears an earlier run's files out of a reused directory (and a failed
 run's temporaries), and writes `manifest.json` last and atomically, so that a directory without
 one holds a run that did not finish. `read_manifest` checks that a prepared corpus is complete.
+
+An output on object storage (s3://, gs://) is built in a local staging directory and, once
+finished, published: the earlier run's files at the URL removed (its manifest first), the shards
+uploaded, the manifest last, so that there too a prefix without one holds no finished corpus.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import re
 from typing import Any
 
+from jaxtrain import storage
 from jaxtrain.data.sources import DataError
 from jaxtrain.data.sources import prepared
 
@@ -41,6 +46,21 @@ def check_output(output: str, overwrite: bool) -> str:
     raise DataError(f"output {output} already holds a prepared corpus ({MANIFEST_NAME}); pass "
                     f"--overwrite (overwrite=True) to replace it, or choose another directory")
   return output
+
+
+def check_remote_output(url: str, overwrite: bool) -> str:
+  """The output URL (no trailing /), checked before any work: one-line DataError for a scheme or
+  bucket that cannot be written, a URL naming an object, or a finished corpus there already
+  (without `overwrite`)."""
+  url = url.rstrip("/")
+  storage.check_url(url, "output")
+  storage.check_bucket(url, "output")
+  if storage.isfile(url):
+    raise DataError(f"output {url} is an object; name a prefix (a directory) for the shards")
+  if storage.isfile(storage.join(url, MANIFEST_NAME)) and not overwrite:
+    raise DataError(f"output {url} already holds a prepared corpus ({MANIFEST_NAME}); pass "
+                    f"--overwrite (overwrite=True) to replace it, or choose another URL")
+  return url
 
 
 def clear_output(output: str) -> int:
@@ -121,3 +141,56 @@ def read_manifest(directory: str) -> dict[str, Any]:
       command that re-prepares it), or a shard file it lists that is missing.
   """
   return prepared.load_manifest(directory)[1]
+
+
+def corpus_files(manifest: dict[str, Any]) -> list[str]:
+  """The files of a finished corpus: every shard's two files, then the manifest."""
+  return [shard["file"] + suffix for shard in manifest["shards"]
+          for suffix in (prepared.BIN_SUFFIX, prepared.IDX_SUFFIX)] + [MANIFEST_NAME]
+
+
+def publish(staging: str, url: str, manifest: dict[str, Any], overwrite: bool, log) -> None:
+  """Uploads the corpus finished in `staging` to `url`, replacing an earlier run's files there.
+
+  Only now, with the new corpus complete, is an earlier one removed: its manifest first, so
+  that from here until the new manifest is uploaded (last) readers see an unfinished corpus,
+  never a manifest beside missing or foreign shards; then its files that the upload does not
+  overwrite. Other objects under `url` are left alone, as `clear_output` leaves other files.
+  """
+  files = corpus_files(manifest)
+  old = [n for n in storage.listdir(url) if n == MANIFEST_NAME or _OWN_FILE_RE.fullmatch(n)]
+  if MANIFEST_NAME in old and not overwrite:
+    # Checked at the start too; another job has finished a corpus there since.
+    raise DataError(f"output {url} now holds a prepared corpus ({MANIFEST_NAME}), written while "
+                    f"this one was built; pass --overwrite (overwrite=True) to replace it, or "
+                    f"choose another URL")
+  if MANIFEST_NAME in old:
+    storage.remove_files([storage.join(url, MANIFEST_NAME)])
+  stale = [n for n in old if n not in files]
+  if stale:
+    storage.remove_files([storage.join(url, n) for n in stale])
+  if old:
+    removed = len(stale) + (MANIFEST_NAME in old)
+    kept = len(old) - removed
+    log(f"removed {removed} file{'s' if removed != 1 else ''} of an earlier run from {url}"
+        + (f"; the upload overwrites its other {kept}" if kept else ""))
+  size = sum(os.path.getsize(os.path.join(staging, f)) for f in files)
+  log(f"uploading {len(files)} files ({size / 2**20:.1f} MiB) to {url}")
+  storage.upload_dir(staging, url, last=(MANIFEST_NAME,), only=files)
+
+
+def remove_staging(staging: str) -> None:
+  """Removes a run's files from its staging directory, and the directory when nothing else is
+  in it (a downloaded input object's copy may be: remote_files.py caches under the same tree)."""
+  if not os.path.isdir(staging):
+    return
+  for name in os.listdir(staging):
+    if name == MANIFEST_NAME or _OWN_FILE_RE.fullmatch(name):
+      try:
+        os.remove(os.path.join(staging, name))
+      except FileNotFoundError:
+        pass
+  try:
+    os.rmdir(staging)
+  except OSError:
+    pass  # not empty: files that are not this run's

@@ -5,7 +5,8 @@ Each source is a sequence of documents: `__len__()`, `__getitem__(i)` and a one-
 tokenization is a later map step. `PreparedCorpus` reads a corpus tokenized once by
 `python -m jaxtrain.data.prepare` (flat token arrays written by `write_token_shard`, memory-mapped)
 and returns int32 arrays; it also offers the pipeline's `doc_lengths()` / `read(doc, start, stop)`
-protocol, reading just the slice asked for.
+protocol, reading just the slice asked for. The text sources' paths may be s3:// or gs:// URLs
+and globs: each object is downloaded once into a local cache and read there (remote_files.py).
 
 Sources pickle into grain's worker processes: they hold paths and small indexes, never open
 files or maps. Files open lazily in the process that reads them (a handle shared by read threads

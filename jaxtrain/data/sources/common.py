@@ -27,21 +27,9 @@ def _has_glob_magic(s: str) -> bool:
   return any(c in s for c in "*?[")
 
 
-def resolve_paths(pattern_or_paths, what: str = "paths") -> list[str]:
-  """Absolute paths of the files named by a path, a glob, or a list of them.
-
-  Each glob expands recursively (`**`) and sorted, so the document order does not depend on the
-  file system's directory order; the list's own order is kept. A file named twice is kept once,
-  where first named. Paths are absolute so a pickled source still finds its files if the reading
-  process runs in another directory.
-
-  Args:
-    pattern_or_paths: a path or glob (str or os.PathLike), or a sequence of them.
-    what: the config key under `data.` that holds the paths, for error messages.
-
-  Raises:
-    DataError: nothing given, a pattern matching no file, or a directory given as a file.
-  """
+def _expand(pattern_or_paths, what: str) -> list[tuple[str, tuple[int, str] | None]]:
+  """(name, None) for each local file and (URL, (size, version)) for each object the paths
+  and globs name, in `resolve_paths` order, each once."""
   if isinstance(pattern_or_paths, (str, os.PathLike)):
     patterns = [pattern_or_paths]
   elif isinstance(pattern_or_paths, Sequence):
@@ -56,22 +44,70 @@ def resolve_paths(pattern_or_paths, what: str = "paths") -> list[str]:
     if not isinstance(pattern, (str, os.PathLike)):
       raise DataError(f"data.{what}: {pattern!r} is not a path; use strings")
     pattern = os.path.expanduser(os.fspath(pattern))
-    if _has_glob_magic(pattern):
-      matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-    elif os.path.isdir(pattern):
-      raise DataError(f"data.{what}: {pattern!r} is a directory; name its files with a glob "
-                      f"such as '{os.path.join(pattern, '*.jsonl')}'")
+    if "://" in pattern:
+      # Object storage (s3://, gs://); imported here, as the storage layer imports this module.
+      from jaxtrain.data.sources import remote_files  # pylint: disable=import-outside-toplevel
+      matches = [(url, (size, version))
+                 for url, size, version in remote_files.expand(pattern, what)]
     else:
-      matches = [pattern] if os.path.isfile(pattern) else []
-    if not matches:
-      raise DataError(f"data.{what}: no files match {pattern!r} (cwd: {os.getcwd()}); check the "
-                      f"path or quote the glob")
-    for p in matches:
-      p = os.path.abspath(p)
-      if p not in seen:
-        seen.add(p)
-        resolved.append(p)
+      matches = [(os.path.abspath(p), None) for p in _local_matches(pattern, what)]
+    for name, version in matches:
+      if name not in seen:
+        seen.add(name)
+        resolved.append((name, version))
   return resolved
+
+
+def _local_matches(pattern: str, what: str) -> list[str]:
+  if _has_glob_magic(pattern):
+    matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+  elif os.path.isdir(pattern):
+    raise DataError(f"data.{what}: {pattern!r} is a directory; name its files with a glob "
+                    f"such as '{os.path.join(pattern, '*.jsonl')}'")
+  else:
+    matches = [pattern] if os.path.isfile(pattern) else []
+  if not matches:
+    raise DataError(f"data.{what}: no files match {pattern!r} (cwd: {os.getcwd()}); check the "
+                    f"path or quote the glob")
+  return matches
+
+
+def resolve_paths(pattern_or_paths, what: str = "paths") -> list[str]:
+  """Absolute paths of the files, and URLs of the objects, named by a path, a glob, or a list
+  of them.
+
+  Each glob expands recursively (`**`) and sorted, so the document order does not depend on the
+  file system's directory order; the list's own order is kept. A file named twice is kept once,
+  where first named. Paths are absolute so a pickled source still finds its files if the reading
+  process runs in another directory. An s3:// or gs:// URL names an object, or with a glob the
+  objects it matches, listed through fsspec (`jaxtrain.storage`), sorted alike.
+
+  Args:
+    pattern_or_paths: a path, URL or glob (str or os.PathLike), or a sequence of them.
+    what: the config key under `data.` that holds the paths, for error messages.
+
+  Raises:
+    DataError: nothing given, a pattern matching no file or object, a directory given as a file,
+      a URL that cannot be read (scheme, client package, bucket); one line naming the path.
+  """
+  return [name for name, _ in _expand(pattern_or_paths, what)]
+
+
+def resolve_files(pattern_or_paths, what: str = "paths") -> tuple[list[str], list[str]]:
+  """(names, local paths) of the files `resolve_paths` names: a local file is read where it is,
+  an object from its copy in the local cache (remote_files.py), downloaded now when missing or
+  out of date. Sources read the local paths and name the files in messages by their names.
+  Where nothing is remote both are the same list, which a source's pickle then holds once."""
+  entries = _expand(pattern_or_paths, what)
+  names = [name for name, _ in entries]
+  remote = [(i, (name, *version)) for i, (name, version) in enumerate(entries) if version]
+  if not remote:
+    return names, names
+  from jaxtrain.data.sources import remote_files  # pylint: disable=import-outside-toplevel
+  local = list(names)
+  for (i, _), path in zip(remote, remote_files.fetch([o for _, o in remote])):
+    local[i] = path
+  return names, local
 
 
 def check_mixture_weights(weights: Mapping[str, float]) -> dict[str, float]:

@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from jaxtrain.data.sources.common import (DataError, FileCache, Source, check_nonempty, doc_index,
-                                          open_binary, resolve_paths)
+                                          open_binary, resolve_files)
 
 # Read size of the JSONL newline scan: large enough that numpy's per-call overhead vanishes,
 # small enough that its temporaries (a bool and an int32 per byte) stay in cache. Measured on a
@@ -120,7 +120,8 @@ class JsonlSource(Source):
   line and parses only it.
 
   With on_bad_record="fail" records are checked when read: a bad one raises `DataError` naming
-  `file:line`. With "skip" every line is parsed at construction (as fast as `json.loads`, far
+  `file:line` (an object on a bucket, read from its local copy, is named by its URL). With
+  "skip" every line is parsed at construction (as fast as `json.loads`, far
   slower than the index scan) and bad records are left out of the index, so document indices
   are dense; `skipped` counts them and `skip_reasons` keeps the first few.
   """
@@ -131,13 +132,16 @@ class JsonlSource(Source):
                what: str = "paths"):
     if on_bad_record not in ("fail", "skip"):
       raise DataError(f"on_bad_record={on_bad_record!r}: choose 'fail' or 'skip'")
-    self.paths = resolve_paths(pattern_or_paths, what)
+    # paths: what messages name (a URL for an object); local_paths: where each is read.
+    self.paths, self.local_paths = resolve_files(pattern_or_paths, what)
     self.field = field
     self.on_bad_record = on_bad_record
     self.skipped = 0
     self.skip_reasons: list[str] = []
-    index = self._index_skipping if on_bad_record == "skip" else nonblank_line_starts
-    offsets = [index(p) for p in self.paths]
+    if on_bad_record == "skip":
+      offsets = [self._index_skipping(p, name) for p, name in zip(self.local_paths, self.paths)]
+    else:
+      offsets = [nonblank_line_starts(p) for p in self.local_paths]
     # Document d is line offsets_D[d] of file f, where file_starts_F1[f] <= d < file_starts_F1[f+1].
     self._offsets_D = (np.concatenate(offsets) if offsets else np.zeros(0, np.int64))
     self._file_starts_F1 = np.concatenate(([0], np.cumsum([len(o) for o in offsets])))
@@ -146,7 +150,7 @@ class JsonlSource(Source):
         self.skipped) else ""
     check_nonempty(self.kind, self.paths, len(self), what, hint)
 
-  def _index_skipping(self, path: str) -> np.ndarray:
+  def _index_skipping(self, path: str, name: str) -> np.ndarray:
     keep = []
     offset = 0
     with open(path, "rb") as f:
@@ -157,7 +161,7 @@ class JsonlSource(Source):
           except _BadRecord as e:
             self.skipped += 1
             if len(self.skip_reasons) < _MAX_SKIP_REASONS:
-              self.skip_reasons.append(f"{path}:{line_no}: {e}")
+              self.skip_reasons.append(f"{name}:{line_no}: {e}")
           else:
             keep.append(offset)
         offset += len(line)
@@ -174,19 +178,19 @@ class JsonlSource(Source):
   def __getitem__(self, i) -> str:
     f, offset = self._locate(i)
     with self._files.lock:
-      handle = self._files.get(f, self.paths[f])
+      handle = self._files.get(f, self.local_paths[f])
       handle.seek(offset)
       line = handle.readline()
     try:
       return _parse_record(line, self.field, offset == 0)
     except _BadRecord as e:
-      path = self.paths[f]
-      raise DataError(f"{path}:{_line_number(path, offset)}: {e}") from None
+      line_no = _line_number(self.local_paths[f], offset)
+      raise DataError(f"{self.paths[f]}:{line_no}: {e}") from None
 
   def location(self, i) -> str:
     """"FILE:LINE" of record i (rescans the file up to it: for error messages only)."""
     f, offset = self._locate(i)
-    return f"{self.paths[f]}:{_line_number(self.paths[f], offset)}"
+    return f"{self.paths[f]}:{_line_number(self.local_paths[f], offset)}"
 
   def _describe_extra(self) -> str:
     # field None: whole records go to a formatter (prompt/completion, chat, preference pairs).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxtrain.data.sources.common import (DataError, FileCache, Source, check_nonempty, doc_index,
-                                          resolve_paths)
+                                          resolve_files)
 
 
 
@@ -29,12 +29,13 @@ class ParquetSource(Source):
   def __init__(self, pattern_or_paths, *, column: str = "text", what: str = "paths"):
     import pyarrow as pa  # pylint: disable=g-import-not-at-top
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
-    self.paths = resolve_paths(pattern_or_paths, what)
+    # paths: what messages name (a URL for an object); local_paths: where each is read.
+    self.paths, self.local_paths = resolve_files(pattern_or_paths, what)
     self.column = column
     rg_file, rg_index, rg_rows = [], [], []
-    for f, path in enumerate(self.paths):
+    for f, (path, local) in enumerate(zip(self.paths, self.local_paths)):
       try:
-        meta = pq.read_metadata(path)
+        meta = pq.read_metadata(local)
       except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from None
       schema = meta.schema.to_arrow_schema()
@@ -75,7 +76,7 @@ class ParquetSource(Source):
     with self._files.lock:
       cached = self._cached
       if cached is None or cached[0] != g:
-        pf = self._files.get(f, self.paths[f])
+        pf = self._files.get(f, self.local_paths[f])
         table = pf.read_row_group(int(self._rg_index_G[g]), columns=[self.column])
         cached = self._cached = (g, table.column(0).combine_chunks())
     value = cached[1][row - int(self._rg_starts_G1[g])].as_py()
