@@ -3,7 +3,11 @@
 `load_tokenizer(spec)` picks the kind from a spec string:
   "byte"                        `ByteTokenizer`: UTF-8 bytes 0..255, EOS 256, BOS 257.
   "hf:PATH"                     `HFTokenizer`: PATH is a `tokenizer.json` or a directory with one.
-  "sentencepiece:PATH"          `SentencePieceTokenizer`: PATH is a SentencePiece `.model` file.
+                                PATH may be an s3:// or gs:// URL (jaxtrain/storage.py): the file
+                                and its tokenizer_config.json / chat_template.jinja are downloaded
+                                into the URL's staging directory and read from there.
+  "sentencepiece:PATH"          `SentencePieceTokenizer`: PATH is a SentencePiece `.model` file
+                                (or its URL).
   a bare path                   `tokenizer.json` (or any `.json`) -> HF, `.model` -> SentencePiece,
                                 a directory -> its `tokenizer.json`, else its `tokenizer.model`.
 
@@ -33,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from jaxtrain.config import ConfigError
+from jaxtrain.data import tokenizer_files
 
 # Fallbacks when no tokenizer_config.json names the specials, tried in order; the first token in
 # the vocab wins. Llama 3 names first, then Llama 2 / SentencePiece-style names, then GPT-2 style.
@@ -176,9 +181,14 @@ class HFTokenizer(Tokenizer):
   def __init__(self, path: str):
     import tokenizers  # pylint: disable=import-outside-toplevel
 
-    path = _resolve_hf_path(path)
+    if "://" in path:  # the name keeps the URL; the libraries read the staged copy
+      url = tokenizer_files.hf_url(path)
+      self.name = "hf:" + url
+      path = tokenizer_files.staged(url, self.name, siblings=("tokenizer_config.json", "chat_template.jinja"))
+    else:
+      path = _resolve_hf_path(path)
+      self.name = "hf:" + path
     self.path = path
-    self.name = "hf:" + path
     try:
       tok = tokenizers.Tokenizer.from_file(path)
     except Exception as e:  # the Rust library raises a bare Exception
@@ -268,9 +278,13 @@ class SentencePieceTokenizer(Tokenizer):
   def __init__(self, path: str):
     import sentencepiece as spm  # pylint: disable=import-outside-toplevel
 
-    path = os.path.abspath(os.path.expanduser(path))
+    if "://" in path:
+      self.name = "sentencepiece:" + path
+      path = tokenizer_files.staged(path, self.name)
+    else:
+      path = os.path.abspath(os.path.expanduser(path))
+      self.name = "sentencepiece:" + path
     self.path = path
-    self.name = "sentencepiece:" + path
     if not os.path.isfile(path):
       problem = "is a directory" if os.path.isdir(path) else "does not exist"
       raise ConfigError(f"tokenizer {self.name}: {path} {problem}; expected a SentencePiece "
@@ -380,6 +394,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
     return HFTokenizer(path)
   if path.endswith(".model"):
     return SentencePieceTokenizer(path)
+  if "://" in path:  # a directory on a bucket: Hugging Face's, the kind jaxtrain imports
+    return HFTokenizer(path)
   if os.path.isdir(path):
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
       return HFTokenizer(path)

@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 
+from jaxtrain import storage
 from jaxtrain.config import ConfigError
 from jaxtrain.interop import hf_config
 from jaxtrain.interop.hf_commands import export_command, import_command
@@ -40,8 +41,10 @@ def _parser() -> argparse.ArgumentParser:
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
   imp = sub.add_parser("import", help="HF directory -> weights directory for "
                        "--config.checkpoint.init_from")
-  imp.add_argument("--hf_dir", required=True, help="directory with config.json + *.safetensors")
-  imp.add_argument("--out", required=True, help="weights directory to create")
+  imp.add_argument("--hf_dir", required=True,
+                   help="directory with config.json + *.safetensors (a path, s3:// or gs:// URL)")
+  imp.add_argument("--out", required=True,
+                   help="weights directory to create (a path, s3:// or gs:// URL)")
   imp.add_argument("--dtype", default="float32", choices=hf_config.DTYPES,
                    help="dtype the weights are stored in (default float32)")
   imp.add_argument("--mtp_depth", type=int, default=None,
@@ -49,11 +52,13 @@ def _parser() -> argparse.ArgumentParser:
                         "the checkpoint holds; 0 leaves them out)")
   exp = sub.add_parser("export", help="run checkpoint or weights directory -> HF directory")
   exp.add_argument("--checkpoint", required=True,
-                   help="weights directory, run workdir, or checkpoint step directory")
+                   help="weights directory, run workdir, or checkpoint step directory (a path, "
+                        "s3:// or gs:// URL)")
   exp.add_argument("--config", default=None,
                    help="config file of the model (default: CHECKPOINT/config.py, else the "
                         "config a run saved with its checkpoint)")
-  exp.add_argument("--out", required=True, help="Hugging Face directory to create")
+  exp.add_argument("--out", required=True,
+                   help="Hugging Face directory to create (a path, s3:// or gs:// URL)")
   exp.add_argument("--dtype", default=None, choices=hf_config.DTYPES,
                    help="dtype of the written tensors (default: the parameters' dtype)")
   exp.add_argument("--max_shard_size", default="5GB",
@@ -66,12 +71,17 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
+def _where(path: str) -> str:
+  return path.rstrip("/") if storage.is_url(path) else os.path.abspath(path)
+
+
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   try:
     if args.command == "import":
       command = import_command(args.hf_dir, args.out, args.dtype, args.mtp_depth)
-      print(f"wrote {os.path.abspath(args.out)}; train from it with:\n{command}")
+      how = "download it and train from it" if storage.is_url(args.out) else "train from it"
+      print(f"wrote {_where(args.out)}; {how} with:\n{command}")
     else:
       try:
         max_bytes = parse_size(args.max_shard_size)
@@ -80,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                             f"as 5GB or 500MB") from None
       files = export_command(args.checkpoint, args.config, args.out, args.dtype, max_bytes,
                              args.rope_spelling, args.overwrite)
-      print(f"wrote {os.path.abspath(args.out)}: {', '.join(files)}")
-  except ConfigError as e:
+      print(f"wrote {_where(args.out)}: {', '.join(files)}")
+  # A StorageError (a DataError) is a bucket or URL the user can fix, as a ConfigError is.
+  except (ConfigError, storage.StorageError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0
