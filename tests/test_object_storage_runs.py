@@ -1,7 +1,8 @@
 """Runs that live on a bucket (--workdir=s3://..., jaxtrain/run_directory.py and
 checkpoint_mirror.py), against the S3 server the tests start on the loopback interface
-(tests/object_store.py): a run SIGKILLed and resumed on a machine that has lost its local files
-continues bitwise like an uninterrupted one; a checkpoint whose upload was cut short is never
+(tests/object_store.py): a corpus prepared from raw files on the bucket to the bucket, trained
+from there with checkpoints on the bucket, SIGKILLed and resumed on a machine that has lost its
+local files, continues bitwise like an uninterrupted local run; a checkpoint whose upload was cut short is never
 taken; retention on the bucket; init_from and weights directories on the bucket; one-line
 refusals that write nothing."""
 
@@ -17,6 +18,8 @@ import numpy as np
 import pytest
 
 from jaxtrain import checkpoint, checkpoint_mirror, storage
+from jaxtrain.data import prepare
+from tests.data_helpers import make_docs, write_jsonl
 from tests.helpers import REPO, SMALL_TINY_ARGS, main_command, main_env, run_cli, run_tiny
 from tests.object_store import s3_server
 
@@ -33,10 +36,31 @@ def s3():
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-  """The same run on local disk, uninterrupted: what every bucket run must equal, bitwise."""
+def corpus(s3, tmp_path_factory):
+  """{"bucket": URL, "local": DIR} of one corpus prepared twice from the same JSONL: by
+  `python -m jaxtrain.data.prepare` from raw files on the bucket to the bucket, and from the local
+  copy to local disk."""
+  raw = tmp_path_factory.mktemp("raw")
+  write_jsonl(raw / "docs.jsonl", make_docs(300, seed=5))
+  storage.upload_dir(str(raw), f"{s3}/raw")
+  local = str(tmp_path_factory.mktemp("prepared"))
+  for source, output in ((f"{s3}/raw/*.jsonl", f"{s3}/prepared"),
+                         (str(raw / "docs.jsonl"), local)):
+    assert prepare.main(["--input", source, "--format=jsonl", "--tokenizer=byte",
+                         f"--output={output}", "--num_workers=1", "--docs_per_shard=100"]) == 0
+  return {"bucket": f"{s3}/prepared", "local": local}
+
+
+def _data(path):
+  return ["--config.data.source=prepared", f"--config.data.train_paths={path}"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, corpus):
+  """The same run on local disk, from the local copy of the corpus, uninterrupted: what every
+  bucket run must equal, bitwise."""
   workdir = tmp_path_factory.mktemp("local")
-  _, records = run_tiny(workdir, *COMMON)
+  _, records = run_tiny(workdir, *COMMON, *_data(corpus["local"]))
   return records
 
 
@@ -66,11 +90,11 @@ def _lose_local_files():
   shutil.rmtree(os.environ[storage.STAGING_ENV], ignore_errors=True)
 
 
-def _kill_once_complete(url, step) -> list[int]:
-  """Starts the run on `url` in its own process and SIGKILLs it as soon as the bucket holds a
+def _kill_once_complete(url, step, data) -> list[int]:
+  """Starts the run on `url` (reading `data`) in its own process and SIGKILLs it as soon as the bucket holds a
   complete checkpoint of `step` or later; returns the complete steps at the kill."""
   proc = subprocess.Popen(main_command("--config=configs/tiny.py", f"--workdir={url}",
-                                       *SMALL_TINY_ARGS, *COMMON),
+                                       *SMALL_TINY_ARGS, *COMMON, *data),
                           cwd=REPO, env=main_env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
@@ -85,12 +109,15 @@ def _kill_once_complete(url, step) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_killed_run_on_a_bucket_resumes_bitwise(s3, uninterrupted):
+def test_a_killed_run_on_a_bucket_resumes_bitwise(s3, corpus, uninterrupted):
+  """prepare -> train from the bucket -> checkpoints to the bucket -> SIGKILL -> resume on a
+  node without the first one's files: the losses of the uninterrupted local run, bitwise."""
   url = f"{s3}/killed"
-  complete = _kill_once_complete(url, 4)
+  data = _data(corpus["bucket"])
+  complete = _kill_once_complete(url, 4, data)
   assert complete and complete[-1] < STEPS
   _lose_local_files()  # the new node starts from the bucket alone
-  proc = _run_on(url, *COMMON)
+  proc = _run_on(url, *COMMON, *data)
   assert f"resumed from step {complete[-1]}: {url}/checkpoints/{complete[-1]}" in proc.stdout
   assert f"metrics in {url}/metrics.jsonl" in proc.stdout
   train, evals = _history(_records(url))
@@ -105,18 +132,19 @@ def test_a_killed_run_on_a_bucket_resumes_bitwise(s3, uninterrupted):
 
 
 @pytest.mark.slow
-def test_a_cut_short_upload_is_never_taken(s3, uninterrupted):
+def test_a_cut_short_upload_is_never_taken(s3, corpus, uninterrupted):
   """The newest step lost its marker (the upload was cut before it) and part of its files: the
   resumed run starts from the step before it, re-saves the step, and still equals the
   uninterrupted run."""
   url = f"{s3}/cut"
-  _run_on(url, *COMMON)
+  data = _data(corpus["bucket"])
+  _run_on(url, *COMMON, *data)
   assert _complete(url) == [4, 8, 12]
   storage.remove_tree(f"{url}/checkpoints/12/{checkpoint_mirror.COMMIT_MARKER}")
   storage.remove_tree(f"{url}/checkpoints/12/state")
   assert _complete(url) == [4, 8]
   _lose_local_files()
-  proc = _run_on(url, *COMMON)
+  proc = _run_on(url, *COMMON, *data)
   assert "resumed from step 8:" in proc.stdout
   assert _history(_records(url)) == _history(uninterrupted)
   assert _complete(url) == [4, 8, 12]  # step 12 saved again, whole
