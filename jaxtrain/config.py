@@ -397,7 +397,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.checkpoint.every_steps = 0
   c.checkpoint.max_to_keep = 3  # 0: keep all
   c.checkpoint.keep_every = 0  # also keep every M-th step for good (0: none)
-  c.checkpoint.directory = ""  # default WORKDIR/checkpoints; any path Orbax supports (gs://...)
+  c.checkpoint.directory = ""  # default WORKDIR/checkpoints; a local path, gs:// or s3://
   c.checkpoint.async_save = True
   # Initialize the params (only) from another run's checkpoint (a step directory, its
   # checkpoints/ directory or its workdir: the latest step) or from converted weights (a

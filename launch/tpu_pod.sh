@@ -61,9 +61,9 @@ run gcloud compute tpus tpu-vm scp "$archive" "$tpu:/tmp/jaxtrain.tgz" "${gcloud
 on_all_workers "mkdir -p ~/$remote_dir && tar -xzf /tmp/jaxtrain.tgz -C ~/$remote_dir"
 
 if (( setup )); then
-  (( print_only )) || echo "tpu_pod: installing jaxtrain[tpu] into ~/$remote_dir/.venv on" \
+  (( print_only )) || echo "tpu_pod: installing jaxtrain[tpu,cloud] into ~/$remote_dir/.venv on" \
     "every worker" >&2
-  on_all_workers "cd ~/$remote_dir && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu]'"
+  on_all_workers "cd ~/$remote_dir && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu,cloud]'"
 fi
 
 # printf %q keeps every argument one word through the remote shell.

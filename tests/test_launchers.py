@@ -53,7 +53,7 @@ def test_tpu_pod_copies_installs_and_starts_the_cli_on_every_worker():
     assert {"--zone=us-east5-a", "--worker=all", "--project=my-project"} <= set(command)
     assert "JAX_" not in " ".join(command)
   assert "my-v5p-32" in unpack and "tar -xzf /tmp/jaxtrain.tgz -C ~/jt" in " ".join(unpack)
-  assert _remote(install)[-4:] == ["install", "-q", "-e", ".[tpu]"]
+  assert _remote(install)[-4:] == ["install", "-q", "-e", ".[tpu,cloud]"]
   words = _remote(start)
   assert words[:7] == ["cd", "~/jt", "&&", "exec", ".venv/bin/python", "-m", "jaxtrain.main"]
   assert words[7:] == ARGS  # through two shells, every argument still one word

@@ -10,7 +10,9 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import time
 
 import jax
@@ -254,3 +256,64 @@ def test_no_credentials_is_one_line(s3, tmp_path, monkeypatch):
   assert proc.returncode == 2
   line = proc.stderr.strip()
   assert "\n" not in line and "no credentials for s3://" in line, line
+
+
+# --- several processes ----------------------------------------------------------------------
+
+TWO_PROCESS = [*SMALL_TINY_ARGS, "--config.mesh.data=2", "--config.mesh.fsdp=-1",
+               "--config.train.log_every=1", "--config.train.eval_every=3",
+               "--config.optim.warmup_steps=2", "--config.checkpoint.every_steps=3"]
+
+
+def _two_processes(url, *args, env=None):
+  """launch/local_multiprocess.sh 2 -- the tiny run on `url` (4 CPU devices each); the
+  completed process, its output captured."""
+  command = ["launch/local_multiprocess.sh", "2", "--", "--config=configs/tiny.py",
+             f"--workdir={url}", *TWO_PROCESS, *args]
+  env = main_env(env={"PYTHON": sys.executable, **(env or {})})
+  return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                        check=False)
+
+
+@pytest.mark.slow
+def test_two_processes_checkpoint_to_a_bucket_and_one_resumes(s3):
+  """Two processes write one checkpoint through the staging directory they share, process 0
+  uploads it; a one-process run on a node without the staging files resumes from the bucket."""
+  url = f"{s3}/two"
+  proc = _two_processes(url, "--config.train.steps=3")
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert _complete(url) == [3]
+  _lose_local_files()
+  resumed = run_cli("--config=configs/tiny.py", f"--workdir={url}", *TWO_PROCESS,
+                    "--config.train.steps=6", devices=8)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert f"resumed from step 3: {url}/checkpoints/3" in resumed.stdout
+  assert [r["step"] for r in _records(url) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+  assert _complete(url) == [3, 6]
+
+
+@pytest.mark.slow
+def test_processes_that_do_not_share_the_staging_directory_are_refused(s3, tmp_path):
+  """Hosts whose staging directories differ cannot write one checkpoint: refused at start with
+  the fix, on every process, before any step."""
+  port = _free_port()
+  procs = []
+  for i in range(2):
+    env = main_env(4, env={"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                           "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i),
+                           storage.STAGING_ENV: str(tmp_path / f"host{i}")})
+    procs.append(subprocess.Popen(
+        main_command("--config=configs/tiny.py", f"--workdir={s3}/unshared", *TWO_PROCESS,
+                     "--config.train.steps=3"),
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  outputs = [p.communicate(timeout=300)[0] for p in procs]
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 2, out[-3000:]
+    assert "which the processes of this run do not share; set JAXTRAIN_STAGING_DIR" in out
+  assert _complete(f"{s3}/unshared") == []
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
