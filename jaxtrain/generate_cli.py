@@ -5,7 +5,8 @@
 
 --checkpoint takes a run's workdir, its checkpoints/ directory or one step directory (the
 params and the config the run saved), a weights directory from `python -m jaxtrain.interop.hf
-import` (with its config.py), or a Hugging Face Llama directory (config.json + safetensors).
+import` (with its config.py), or a Hugging Face Llama directory (config.json + safetensors);
+any of them on s3:// or gs:// too (of a run there, its newest complete step is downloaded).
 --config overrides the model config for weights directories. Prompts are tokenized with the
 config's `data.tokenizer`; BOS is prepended when the tokenizer has one.
 """
@@ -37,7 +38,15 @@ def load(checkpoint: str, config_path: str | None = None):
     # One token at a time: no remat, and the dense xla attention suffices.
     config.model.remat_policy = "none"
     config.attention.impl = "xla"
+  from jaxtrain import storage  # pylint: disable=import-outside-toplevel
   try:
+    if storage.is_url(checkpoint):
+      # The newest complete step of a run (or a weights directory), downloaded into staging.
+      from jaxtrain.interop import hf_storage  # pylint: disable=import-outside-toplevel
+      try:
+        checkpoint = hf_storage.download_checkpoint(checkpoint)
+      except storage.StorageError as e:
+        raise ConfigError(str(e)) from None
     return run_weights.load_model(checkpoint, make_mesh(devices=jax.devices()[:1]), config_path,
                                   adjust=for_generation)
   except ConfigError as e:

@@ -22,7 +22,8 @@ import pytest
 from jaxtrain import checkpoint, checkpoint_mirror, storage
 from jaxtrain.data import prepare
 from tests.data_helpers import make_docs, write_jsonl
-from tests.helpers import REPO, SMALL_TINY_ARGS, main_command, main_env, run_cli, run_tiny
+from tests.helpers import (REPO, SMALL_TINY_ARGS, main_command, main_env, run_cli, run_generate,
+                           run_tiny)
 from tests.object_store import s3_server
 
 STEPS = 12
@@ -218,6 +219,12 @@ def test_weights_and_init_from_on_a_bucket(s3, tmp_path):
                      f"--config.checkpoint.init_from={local / '4'}")
   assert [r["loss"] for r in records if "loss" in r] == [r["loss"] for r in want if "loss" in r]
   assert checkpoint.saved_config(source)["train"]["steps"] == 4
+  # Generation from the run on the bucket: what the downloaded step generates.
+  prompt = ["--prompt=The quick", "--max_new_tokens=8", "--temperature=0"]
+  from_bucket = run_generate(f"--checkpoint={source}", *prompt)
+  assert from_bucket.returncode == 0, from_bucket.stderr[-2000:]
+  from_local = run_generate(f"--checkpoint={local / '4'}", *prompt)
+  assert from_bucket.stdout == from_local.stdout and "--- prompt: 'The quick'" in from_bucket.stdout
 
 
 @pytest.mark.parametrize("flag,words", [
