@@ -112,8 +112,13 @@ def check_bucket(url: str, key: str = "") -> None:
   if not _call(f"{scheme}://{bucket}", lambda fs, p: fs.exists(p)):
     where = f"{key}: " if key else ""
     # exists() answers False for any failure: a listing says why (no credentials, no bucket).
+    def listing(fs, _):
+      try:
+        fs.ls(f"{scheme}://{bucket}", refresh=True)
+      except FileNotFoundError:  # gcsfs's answer to any 404, a missing bucket's too: said below
+        pass
     try:
-      _call(url, lambda fs, p: fs.ls(f"{scheme}://{bucket}", refresh=True))
+      _call(url, listing)
     except StorageError as e:
       raise StorageError(f"{where}{e}") from None
     raise StorageError(f"{where}{url}: the bucket {bucket!r} does not exist (or these "
@@ -258,6 +263,9 @@ def download_dir(url: str, local_dir: str, *, exclude: tuple[str, ...] = ()) -> 
   def get(fs, base):
     base = base.rstrip("/")
     remote = [f for f in fs.find(base) if not f.endswith("/")]
+    # find() caches every listing under `base`, which other clients (Orbax's own) then change:
+    # later exists()/isdir() calls must ask the store again.
+    fs.invalidate_cache(base)
     rel = [posixpath.relpath(f, base) for f in remote]
     keep = [(r, f) for r, f in zip(rel, remote) if r.split("/", 1)[0] not in exclude]
     for r, _ in keep:
