@@ -8,7 +8,9 @@ stream has no workers) and from the JSONL with 0, 1 and 2 grain worker processes
 corpus also at longer sequences (16 × 8192). The first batch (start-up) is excluded from the
 timing. With the dev extra installed (moto's S3 server, s3fs), the prepared corpus is also
 uploaded to a bucket of an S3 server started on the loopback interface and read from there
-(`prepared-s3`: ranged reads, jaxtrain/data/sources/remote_tokens.py); --no_s3 skips it.
+(`prepared-s3`: 256 KiB blocks by ranged reads, fetched ahead of the reader, in a 256 MiB cache,
+jaxtrain/data/sources/remote_tokens.py; `s3-cold`: the same with a 4 MiB cache, so that most
+batches come from the server, as for a corpus far larger than the cache); --no_s3 skips both.
 Prints one table; with --profile, where the prepared path's time goes. The last line is
 `data_throughput: arrayrecord_tokens_per_sec=N jsonl_tokens_per_sec=N` (16 × 256; the first
 figure is the prepared-corpus path, whatever its file format; JSONL at its best worker count).
@@ -29,10 +31,12 @@ import pstats
 import sys
 import tempfile
 import time
+from unittest import mock
 
 from jaxtrain import data
 from jaxtrain.config import default_config
-from jaxtrain.data import stdlib_corpus
+from jaxtrain.data import documents, stdlib_corpus
+from jaxtrain.data.sources import remote_tokens
 from jaxtrain.data.prepare import prepare
 from jaxtrain.data.tokenizer import load_tokenizer
 
@@ -127,12 +131,18 @@ def main():
     runs += [("jsonl", jsonl, 256, w) for w in (0, 1, 2)]
     url = None if args.no_s3 else _upload_to_local_s3(prepared, stack)
     if url:
-      runs += [("prepared-s3", url, 256, 0)]
+      runs += [("prepared-s3", url, 256, 0), ("s3-cold", url, 256, 0)]
     rows, best = [], {}
     for source, paths, seq_len, workers in runs:
-      c = _config(source.removesuffix("-s3"), paths, args.tokenizer, tok.vocab_size, seq_len,
-                  workers)
-      rate = measure(c, args.seconds)
+      kind = "prepared" if source.startswith(("prepared", "s3")) else source
+      c = _config(kind, paths, args.tokenizer, tok.vocab_size, seq_len, workers)
+      # s3-cold: a block cache of 4 MiB, which holds less than half of this 10 MB corpus, so
+      # most batches are fetched from the server, as for a real corpus far larger than the
+      # default 256 MiB (which holds this one whole after its first pass).
+      documents._load_cached.cache_clear()  # a fresh corpus object: an empty cache
+      with mock.patch.object(remote_tokens, "CACHE_BYTES",
+                             4 << 20 if source == "s3-cold" else remote_tokens.CACHE_BYTES):
+        rate = measure(c, args.seconds)
       rows.append((source, seq_len, workers, rate))
       if seq_len == 256:
         best[source] = max(best.get(source, 0.0), rate)
@@ -140,7 +150,7 @@ def main():
       profile(_config("prepared", prepared, args.tokenizer, tok.vocab_size, 256, 0))
   print(f"{'source':<12} {'batch':>9} {'workers':>8} {'tokens/s':>14}   (tokenizer {tok.name})")
   for source, seq_len, workers, rate in rows:
-    workers_text = "-" if source.startswith("prepared") else str(workers)
+    workers_text = str(workers) if source == "jsonl" else "-"
     print(f"{source:<12} {'16 × ' + str(seq_len):>9} {workers_text:>8} {rate:>14,.0f}")
   print(f"data_throughput: arrayrecord_tokens_per_sec={best['prepared']:.0f} "
         f"jsonl_tokens_per_sec={best['jsonl']:.0f}")

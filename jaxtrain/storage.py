@@ -150,6 +150,31 @@ def read_bytes(path: str) -> bytes:
   return _call(path, lambda fs, p: fs.cat_file(p))
 
 
+def read_ranges_many(requests: list[tuple[str, int, int]]) -> list[bytes]:
+  """The bytes [start, end) of each (path, start, end), all fetched concurrently in one call per
+  filesystem (the objects of one bucket and scheme share a client)."""
+  out: list[bytes | None] = [None] * len(requests)
+  groups: dict[str, list[int]] = {}
+  for i, (path, _, _) in enumerate(requests):
+    key = path.partition("://")[0] + "://" + path.partition("://")[2].split("/", 1)[0] \
+        if is_url(path) else ""
+    groups.setdefault(key, []).append(i)
+  for key, members in groups.items():
+    if not key:  # local files
+      for i in members:
+        path, start, end = requests[i]
+        out[i] = read_ranges(path, [(start, end)])[0]
+      continue
+
+    def fetch(fs, _, members=members):
+      paths = [fs._strip_protocol(requests[i][0]) for i in members]  # pylint: disable=protected-access
+      return fs.cat_ranges(paths, [requests[i][1] for i in members],
+                           [requests[i][2] for i in members], on_error="raise")
+    for i, data in zip(members, _call(requests[members[0]][0], fetch)):
+      out[i] = data
+  return out
+
+
 def read_ranges(path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
   """The bytes [start, end) of each range of one object, fetched concurrently (one request per
   range: the caller coalesces neighbours)."""
@@ -164,7 +189,8 @@ def read_ranges(path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
       return out
 
   def fetch(fs, p):
-    return fs.cat_ranges([p] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges])
+    return fs.cat_ranges([p] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges],
+                         on_error="raise")
   return list(_call(path, fetch))
 
 

@@ -105,17 +105,41 @@ def test_remote_reads_coalesce_into_one_range_per_run_of_blocks(s3, tmp_path):
   tokens = np.arange(5000, dtype="<u2")
   path.write_bytes(tokens.tobytes())
   upload(str(tmp_path), f"{s3}/blocks")
+  url = f"{s3}/blocks/tokens.bin"
   cache = remote_tokens.BlockCache(max_bytes=1 << 20)
-  remote = remote_tokens.RemoteTokens(f"{s3}/blocks/tokens.bin", np.dtype("<u2"), 5000, cache,
+  remote = remote_tokens.RemoteTokens(url, np.dtype("<u2"), 5000, cache,
                                       block_bytes=1000)  # 500 tokens a block
+  other = remote_tokens.RemoteTokens(url, np.dtype("<u2"), 5000, remote_tokens.BlockCache(),
+                                     block_bytes=1000)  # another shard, as fetch sees it
   calls = []
-  real = storage.read_ranges
-  with mock.patch.object(storage, "read_ranges",
-                         lambda url, ranges: calls.append(list(ranges)) or real(url, ranges)):
-    remote.prefetch([(10, 20), (480, 1020), (4990, 5000)])
+  real = storage.read_ranges_many
+  with mock.patch.object(storage, "read_ranges_many",
+                         lambda requests: calls.append(list(requests)) or real(requests)):
+    remote_tokens.fetch([(remote, 10, 20), (remote, 480, 1020), (remote, 4990, 5000),
+                         (other, 2600, 2700)])
     np.testing.assert_array_equal(remote[480:1020], tokens[480:1020])
     np.testing.assert_array_equal(remote[4990:5000], tokens[4990:5000])
-  # Blocks 0-2 as one range, block 9 (the last, short) as another; the slices then hit the cache.
-  assert calls == [[(0, 3000), (9000, 10000)]]
+    np.testing.assert_array_equal(other[2600:2700], tokens[2600:2700])
+  # One call for both shards: blocks 0-2 as one range, block 9 (the last, short) as another,
+  # the other shard's block 5; the slices then hit the cache.
+  assert calls == [[(url, 0, 3000), (url, 9000, 10000), (url, 5000, 6000)]]
   np.testing.assert_array_equal(remote[1999:2501], tokens[1999:2501])
   assert remote[7:7].size == 0
+
+
+def test_the_stream_reads_a_bucket_corpus_ahead_of_the_step(s3, tmp_path):
+  """The global stream hands its next pieces to the corpus on a background thread: the reader
+  then finds them fetched, and the batches are those of local files."""
+  url = f"{s3}/ahead"
+  upload(_prepared(tmp_path), url)
+  c = small_config()
+  c.data.source, c.data.train_paths, c.data.eval_fraction = "prepared", url, 0.2
+  stream = data.make_train_iterator(c)
+  local = small_config()
+  local.data.source, local.data.train_paths, local.data.eval_fraction = (
+      "prepared", str(tmp_path / "prepared"), 0.2)
+  assert_batches_equal(take(stream, 6), take(data.make_train_iterator(local), 6))
+  assert stream.read_ahead is not None and stream.read_ahead.chunks_warmed > 0
+  assert data.make_train_iterator(local).read_ahead is None  # local files: no thread
+
+

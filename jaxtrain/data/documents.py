@@ -127,6 +127,9 @@ class DocumentSubset:
 
   def __init__(self, source, indices_N: np.ndarray):
     self.source, self.indices_N = source, np.asarray(indices_N, dtype=np.int64)
+    # A source on object storage is read ahead of the step (lookahead.py).
+    self.remote = bool(getattr(source, "remote", False))
+    self.read_ahead_pieces = getattr(source, "read_ahead_pieces", None)
 
   def __len__(self) -> int:
     return len(self.indices_N)
@@ -148,6 +151,13 @@ class DocumentSubset:
     if hasattr(self.source, "read_pieces"):
       return self.source.read_pieces(pieces_Q3)
     return packing.read_pieces_one_by_one(self.source.read, pieces_Q3)
+
+  def warm(self, pieces_Q3: np.ndarray) -> None:
+    """Fetches ahead the pieces `read_pieces` will read soon (a source on object storage)."""
+    if hasattr(self.source, "warm"):
+      pieces_Q3 = np.array(pieces_Q3, np.int64)
+      pieces_Q3[:, 0] = self.indices_N[pieces_Q3[:, 0]]
+      self.source.warm(pieces_Q3)
 
   def __getitem__(self, i: int) -> np.ndarray:
     return self.read(i)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxtrain.data import packing, permutation
+from jaxtrain.data import lookahead, packing, permutation
 from jaxtrain.data.sources import DataError
 
 # Piece slots planned at once. Larger blocks pack document tails tighter and mix more pieces
@@ -86,6 +86,12 @@ class GlobalBatchStream:
         packing.read_pieces_one_by_one, s.read) for s in self.sources]
     self._state = {"block": 0, "row": 0, "cursors": [0] * len(self.sources)}
     self._block: _Block | None = None
+    # Sources on object storage are read ahead of the step (lookahead.py); local ones need not.
+    remote = [s for s in self.sources if getattr(s, "remote", False)]
+    self.read_ahead = lookahead.ReadAhead(
+        [getattr(s, "warm", None) for s in self.sources],
+        ahead_pieces=min(getattr(s, "read_ahead_pieces", None) or lookahead.AHEAD_PIECES
+                         for s in remote)) if remote else None
     # Whether this process writes the (process-independent) state into checkpoints.
     self.saves_state = True
 
@@ -164,6 +170,8 @@ class GlobalBatchStream:
     while i < self.batch_size:
       if self._block is None:
         self._block = self._plan_block()
+        if self.read_ahead:
+          self._read_ahead_from(self._block, self._state["row"], i)
       block, r0 = self._block, self._state["row"]
       n = min(self.batch_size - i, block.num_rows - r0)
       mine = rows_B[(rows_B >= i) & (rows_B < i + n)]
@@ -172,6 +180,8 @@ class GlobalBatchStream:
                                               block.row_starts_R1[block_rows + 1])]
       pieces.append(block.pieces_K3[slots])
       components.append(block.component_K[slots])
+      if self.read_ahead:
+        self.read_ahead.consumed(len(slots))
       # This process's row index (0.. len(rows)-1) of each piece.
       row_ids.append(np.repeat(np.searchsorted(rows_B, mine), np.diff(
           block.row_starts_R1)[block_rows]))
@@ -181,6 +191,15 @@ class GlobalBatchStream:
         self._advance_block()
     return self._read(np.concatenate(pieces), np.concatenate(components),
                       np.concatenate(row_ids))
+
+  def _read_ahead_from(self, block: _Block, r0: int, i: int) -> None:
+    """Hands the read-ahead thread the pieces of `block` this process will read, in order:
+    block row r >= r0 is row (i + r - r0) mod B of a global batch, kept if it is one of ours."""
+    rows_R = np.arange(r0, block.num_rows)
+    mine = rows_R[np.isin((i + rows_R - r0) % self.batch_size, self.rows)]
+    slots = block.row_pieces[packing.ranges(block.row_starts_R1[mine],
+                                            block.row_starts_R1[mine + 1])]
+    self.read_ahead.start_block(block.pieces_K3[slots], block.component_K[slots])
 
   def _read(self, pieces_Q3, component_Q, rows_Q) -> dict[str, np.ndarray]:
     if len(self.sources) == 1:

@@ -411,7 +411,7 @@ class PreparedCorpus(Source):
     sizes_Q = stop_Q - start_Q
     out = np.empty(int(sizes_Q.sum()), np.int32)
     maps = self._maps
-    if self.remote:  # the batch's blocks first: one concurrent fetch per shard it touches
+    if self.remote:  # the batch's blocks first: one concurrent fetch over every shard it touches
       self._prefetch(shard_N[doc_Q], offset_N[doc_Q] + start_Q, sizes_Q)
     at = 0
     for shard, first, size in zip(shard_N[doc_Q].tolist(), (offset_N[doc_Q] + start_Q).tolist(),
@@ -423,16 +423,30 @@ class PreparedCorpus(Source):
       at += size
     return out
 
+  @property
+  def read_ahead_pieces(self) -> int:
+    """How many pieces the stream may fetch ahead of the reader (see remote_tokens)."""
+    return remote_tokens.read_ahead_pieces()
+
+  def warm(self, pieces_Q3) -> None:
+    """Fetches the tokens of pieces (doc, start, stop) that `read_pieces` will read soon, for a
+    corpus on object storage (the stream's read-ahead thread calls it); nothing for local
+    files, which the page cache serves."""
+    if not self.remote or len(pieces_Q3) == 0:
+      return
+    shard_N, offset_N, _ = self._lookup or self._build_lookup()
+    doc_Q, start_Q, stop_Q = np.asarray(pieces_Q3, np.int64).reshape(-1, 3).T
+    self._prefetch(shard_N[doc_Q], offset_N[doc_Q] + start_Q, stop_Q - start_Q)
+
   def _prefetch(self, shard_Q, first_Q, sizes_Q):
-    spans = collections.defaultdict(list)
+    spans = []
     for shard, first, size in zip(shard_Q.tolist(), first_Q.tolist(), sizes_Q.tolist()):
-      spans[shard].append((first, first + size))
-    for shard, shard_spans in spans.items():
       tokens = self._maps[shard]
       if tokens is None:
         tokens = self._open_shard(shard)
       if isinstance(tokens, remote_tokens.RemoteTokens):
-        tokens.prefetch(shard_spans)
+        spans.append((tokens, first, first + size))
+    remote_tokens.fetch(spans)
 
   def __getitem__(self, i) -> np.ndarray:
     return self.read(i)
