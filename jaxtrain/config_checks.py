@@ -14,7 +14,6 @@ from jaxtrain.dryrun import targets
 from jaxtrain.parallel.context_parallel import STRATEGIES as CONTEXT_STRATEGIES
 from jaxtrain import objectives
 from jaxtrain import wandb_logger
-from jaxtrain import storage
 from jaxtrain.parallel.pipeline import resolve_microbatches
 from jaxtrain.parallel.mesh import (DCN_AXES, MESH_AXES, MeshShape, check_divides, param_dims,
                                     resolve_shape)
@@ -324,7 +323,7 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
     if config.checkpoint[key] < 0:
       raise ConfigError(f"checkpoint.{key}={config.checkpoint[key]}: must be >= 0")
   init_from = config.checkpoint.init_from
-  if init_from and not storage.is_url(init_from) and not os.path.isdir(init_from):
+  if init_from and "://" not in init_from and not os.path.isdir(init_from):
     raise ConfigError(f"checkpoint.init_from={init_from!r}: no such directory; give a run's "
                       f"checkpoint step directory, its workdir, or a converted-weights directory")
   if config.train.loss_spike_sigmas < 0:
@@ -491,23 +490,3 @@ def _check_yarn(rs) -> None:
   for key in ("mscale", "mscale_all_dim"):
     if rs[key] < 0:
       raise ConfigError(f"model.rope_scaling.{key}={rs[key]}: must be >= 0 (0: unset)")
-
-
-def check_run_storage(config, workdir: str) -> None:
-  """The run's object-storage paths (--workdir, checkpoint.directory, checkpoint.init_from):
-  a scheme jaxtrain reads, the cloud extra installed, a bucket that exists and these credentials
-  see, and an init_from that is there. Raises ConfigError (one line) before anything is written;
-  reaches the bucket, so it is checked for a run, not for a dry run."""
-  c = config.checkpoint
-  for key, path in (("--workdir", workdir), ("checkpoint.directory", c.directory),
-                    ("checkpoint.init_from", c.init_from)):
-    if not path or not storage.is_url(path):
-      continue
-    try:
-      storage.check_url(path, key)
-      storage.check_bucket(path, key)
-      if key == "checkpoint.init_from" and not storage.isdir(path):
-        raise ConfigError(f"checkpoint.init_from={path!r}: nothing there; give a run's workdir "
-                          f"or checkpoint step on the bucket, or a converted-weights directory")
-    except storage.StorageError as e:
-      raise ConfigError(str(e)) from None

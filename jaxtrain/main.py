@@ -103,7 +103,8 @@ def main(argv):
   import jax  # pylint: disable=import-outside-toplevel
   from jaxtrain import distributed  # pylint: disable=import-outside-toplevel
   from jaxtrain.config import ConfigError  # pylint: disable=import-outside-toplevel
-  from jaxtrain.config_checks import check_run_storage, validate  # pylint: disable=import-outside-toplevel
+  from jaxtrain.config_checks import validate  # pylint: disable=import-outside-toplevel
+  from jaxtrain.storage_checks import check_run_storage  # pylint: disable=import-outside-toplevel
   from jaxtrain.parallel.mesh import num_slices  # pylint: disable=import-outside-toplevel
   from jaxtrain import storage, trainer  # pylint: disable=import-outside-toplevel
   from jaxtrain.health import TrainingHealthError  # pylint: disable=import-outside-toplevel

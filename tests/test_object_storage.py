@@ -143,3 +143,24 @@ def test_the_stream_reads_a_bucket_corpus_ahead_of_the_step(s3, tmp_path):
   assert data.make_train_iterator(local).read_ahead is None  # local files: no thread
 
 
+
+
+def test_the_read_ahead_thread_ends_with_its_stream(s3, tmp_path):
+  url = f"{s3}/ahead-end"
+  upload(_prepared(tmp_path), url)
+  c = small_config()
+  c.data.source, c.data.train_paths, c.data.eval_fraction = "prepared", url, 0.2
+  local = small_config()
+  local.data.source, local.data.train_paths, local.data.eval_fraction = (
+      "prepared", str(tmp_path / "prepared"), 0.2)
+  stream = data.make_train_iterator(c)
+  batches = [next(stream)]
+  thread = stream.read_ahead._thread  # pylint: disable=protected-access
+  assert thread.is_alive()
+  stream.close()
+  thread.join(timeout=10)
+  assert not thread.is_alive()
+  batches.append(next(stream))  # reading again starts another, and goes on where it was
+  assert stream.read_ahead._thread.is_alive()  # pylint: disable=protected-access
+  stream.close()
+  assert_batches_equal(batches, take(data.make_train_iterator(local), 2))

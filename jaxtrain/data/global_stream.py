@@ -95,6 +95,17 @@ class GlobalBatchStream:
     # Whether this process writes the (process-independent) state into checkpoints.
     self.saves_state = True
 
+  def close(self) -> None:
+    """Ends the read-ahead thread, if any; reading again starts another (the current block is
+    planned again, as after set_state: the same pieces)."""
+    if self.read_ahead:
+      self.read_ahead.close()
+      self._block = None
+
+  def __del__(self):
+    if getattr(self, "read_ahead", None):
+      self.read_ahead.close()
+
   # --- state ---------------------------------------------------------------------------------
 
   def get_state(self) -> dict[str, Any]:

@@ -34,6 +34,7 @@ class ReadAhead:
     self._pieces_K3 = np.zeros((0, 3), np.int64)
     self._component_K = np.zeros(0, np.int64)
     self._consumed = self._warmed = 0
+    self._stopped = False
     self._thread: threading.Thread | None = None
     self.chunks_warmed = 0  # for tests and benchmarks
 
@@ -42,8 +43,9 @@ class ReadAhead:
     with self._cond:
       self._pieces_K3, self._component_K = pieces_K3, component_K
       self._consumed = self._warmed = 0
+      self._stopped = False
       self._cond.notify_all()
-      if self._thread is None:
+      if self._thread is None or not self._thread.is_alive():
         self._thread = threading.Thread(target=self._run, name="jaxtrain-read-ahead",
                                         daemon=True)
         self._thread.start()
@@ -54,20 +56,29 @@ class ReadAhead:
       self._consumed += n
       self._cond.notify_all()
 
+  def close(self) -> None:
+    """Ends the thread (the stream is done with)."""
+    with self._cond:
+      self._stopped = True
+      self._cond.notify_all()
+
   def _next_chunk(self):
     with self._cond:
       def ready():
         lo = max(self._warmed, self._consumed)
-        return lo < len(self._pieces_K3) and lo < self._consumed + self.ahead_pieces
+        return self._stopped or (lo < len(self._pieces_K3)
+                                 and lo < self._consumed + self.ahead_pieces)
       self._cond.wait_for(ready)
+      if self._stopped:
+        return None
       lo = max(self._warmed, self._consumed)
       hi = min(len(self._pieces_K3), lo + self.chunk_pieces, self._consumed + self.ahead_pieces)
       self._warmed = hi
       return self._pieces_K3[lo:hi], self._component_K[lo:hi]
 
   def _run(self) -> None:
-    while True:
-      pieces_K3, component_K = self._next_chunk()
+    while (chunk := self._next_chunk()) is not None:
+      pieces_K3, component_K = chunk
       for c in np.unique(component_K).tolist():
         warm = self._warm_fns[c]
         if warm is None:
