@@ -5,7 +5,8 @@ every `sync_every_s`, before each checkpoint counts as complete, and at the end.
 An object store cannot append, so a file is copied whole each time it has changed; files the run
 appends to line by line (`*.jsonl`) are copied up to their last complete line, so a run killed
 during a push never leaves a torn record on the bucket. At start the bucket's files (not its
-checkpoints, which jaxtrain/checkpoint.py restores step by step) are pulled into the mirror, so a
+checkpoints, which jaxtrain/checkpoint.py restores step by step, nor the TensorBoard events a
+resumed run does not read) are pulled into the mirror, so a
 resumed run continues the same metrics.jsonl and the same W&B run. A local --workdir is used as
 it is, and every method here does nothing for it.
 """
@@ -20,6 +21,9 @@ from jaxtrain import storage
 
 # Not mirrored: the checkpoints under the workdir are saved and restored by the Checkpointer.
 NOT_MIRRORED = ("checkpoints",)
+# Not pulled either: a resumed run writes TensorBoard events into a new file and never reads the
+# earlier ones, which stay on the bucket (and can be large).
+NOT_PULLED = NOT_MIRRORED + ("tensorboard",)
 
 
 class RunDirectory:
@@ -39,7 +43,7 @@ class RunDirectory:
     if not self.url:
       return
     shutil.rmtree(self.local, ignore_errors=True)
-    storage.download_dir(self.url, self.local, exclude=NOT_MIRRORED)
+    storage.download_dir(self.url, self.local, exclude=NOT_PULLED)
     self._pushed = {rel: _stamp(os.path.join(self.local, rel)) for rel in self._files()}
 
   def push(self) -> None:
