@@ -114,8 +114,12 @@ def test_reward_tiny_scores_held_out_pairs_well_above_chance(reward_tiny_workdir
 
 def test_a_language_model_checkpoint_starts_a_reward_model(tmp_path):
   lm = tmp_path / "lm"
+  # tiny.py's model on short rows and one eval batch (the checkpoint holds the same weights'
+  # shapes; executing 16x256-token steps and eight eval batches took most of the test's time).
   proc = run_cli("--config=configs/tiny.py", "--config.train.steps=2",
                  "--config.train.eval_every=100", "--config.train.log_every=1",
+                 "--config.train.global_batch_size=8", "--config.train.seq_len=64",
+                 "--config.train.eval_batches=1",
                  "--config.checkpoint.every_steps=2", f"--workdir={lm}")
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   workdir = tmp_path / "reward"

@@ -20,8 +20,12 @@ from jaxtrain import config as config_lib
 from jaxtrain import metrics, wandb_logger
 from tests.helpers import assert_one_line_config_error, run_cli
 
+# configs/tiny.py's model, on fewer tokens per step and eval (what is logged does not depend on
+# them): executing 6 steps and 2 evals of 16x256 tokens took most of the test's time.
 TINY = ("--config=configs/tiny.py", "--config.train.steps=6", "--config.train.log_every=1",
-        "--config.train.eval_every=3", "--config.log.wandb=True")
+        "--config.train.eval_every=3", "--config.log.wandb=True",
+        "--config.train.global_batch_size=8", "--config.train.seq_len=64",
+        "--config.train.eval_batches=2")
 
 
 def _offline_env(monkeypatch, tmp_path):
@@ -96,7 +100,7 @@ def _tensorboard_scalars(workdir):
   return scalars
 
 
-@pytest.mark.slow(seconds=20)
+@pytest.mark.slow(seconds=8)
 def test_offline_run_logs_what_metrics_jsonl_and_tensorboard_hold(tmp_path, monkeypatch):
   _offline_env(monkeypatch, tmp_path)
   workdir = tmp_path / "tiny_wandb"
