@@ -8,8 +8,8 @@ only after a save finishes).
 data/ holds the data iterator's state: `global_stream.json` for data read as one global stream
 (the same on every process; process 0 writes it), else one file per data shard,
 `shard_<s>-of-<S>.json` (the grain iterator state), written by one process that reads the
-shard. Either way a run on another number of processes resumes the data stream exactly
-(jaxtrain/data/global_stream.py, jaxtrain/data/shards.py).
+shard (jaxtrain/checkpoint_data.py). Either way a run on another number of processes resumes the
+data stream exactly (jaxtrain/data/global_stream.py, jaxtrain/data/shards.py).
 
 The directory may be a bucket: gs:// Orbax writes and reads directly; s3:// is staged locally and
 uploaded step by step, a marker last (jaxtrain/checkpoint_mirror.py).
@@ -18,10 +18,8 @@ uploaded step by step, a marker last (jaxtrain/checkpoint_mirror.py).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
-import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -36,12 +34,12 @@ import orbax.checkpoint as ocp
 
 from jaxtrain import checkpoint_mirror, storage
 from jaxtrain.config import ConfigError
+# DataShardsSave too: tests and tools import the data item's handler and arguments from here.
+from jaxtrain.checkpoint_data import (DataShardsHandler, DataShardsRestore,  # noqa: F401
+                                      DataShardsSave)
 from jaxtrain.data.global_stream import GlobalBatchStream
 from jaxtrain.data.shards import ShardedIterator
 from jaxtrain.models.variables import HEAD_NAMES
-
-GLOBAL_STREAM_FILE = "global_stream.json"
-
 
 class Checkpointer:
   """Saves every `every_steps` steps (asynchronously: the loop continues while files are
@@ -70,6 +68,9 @@ class Checkpointer:
       max_to_keep, keep_period = 1, None
     self._before_upload = before_upload
     self._uploader = checkpoint_mirror.Uploader()
+    # The outermost local directory the manager is about to create (None: it exists, or the
+    # checkpoints are on gs://), removed again by close_unused.
+    self._created = _first_missing(local)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, keep_period=keep_period,
         enable_async_checkpointing=async_save, create=True)
@@ -183,109 +184,33 @@ class Checkpointer:
     finally:
       self.manager.close()
 
+  def close_unused(self) -> None:
+    """Closes a checkpointer that saved nothing (the run stopped before its first step), and
+    removes the local directories it created if they are still empty: a run refused for bad data
+    leaves no empty WORKDIR/checkpoints/ behind."""
+    self.close()
+    created = self._created
+    if created and os.path.isdir(created) and not any(
+        files for _, _, files in os.walk(created)):
+      shutil.rmtree(created, ignore_errors=True)
+
+
+def _first_missing(path: str) -> str | None:
+  """The outermost directory of local `path` that does not exist yet (`path` itself or one of
+  its parents), or None when it exists or is a URL."""
+  if storage.is_url(path) or os.path.exists(path):
+    return None
+  missing = path
+  while not os.path.exists(os.path.dirname(missing)):
+    missing = os.path.dirname(missing)
+  return missing
+
 
 def _as_sharded(data_iterator) -> ShardedIterator | GlobalBatchStream:
   """A plain grain iterator is this process's one shard (data.num_shards=0)."""
   if isinstance(data_iterator, (ShardedIterator, GlobalBatchStream)):
     return data_iterator
   return ShardedIterator({jax.process_index(): data_iterator}, jax.process_count())
-
-
-class DataShardsHandler:
-  """Orbax CheckpointHandler for a ShardedIterator: one JSON file per data shard.
-
-  Reads checkpoints of grain's own handler too (`process_<p>-of-<P>.json`): process p of P
-  there is shard p of P here.
-  """
-
-  def save(self, directory, item=None, args=None):
-    it = item or args.item
-    if isinstance(it, GlobalBatchStream):
-      if it.saves_state:
-        (directory / GLOBAL_STREAM_FILE).write_text(json.dumps(it.get_state(), indent=1))
-      return
-    for shard, state in it.shard_states().items():
-      (directory / _shard_file(shard, it.num_shards)).write_text(json.dumps(state, indent=1))
-
-  def restore(self, directory, item=None, args=None):
-    it = item or args.item
-    if isinstance(it, GlobalBatchStream):
-      path = directory / GLOBAL_STREAM_FILE
-      if not path.exists():
-        raise ConfigError(_not_global_message(directory))
-      it.set_state(json.loads(path.read_text()))
-      return it
-    states = {}
-    for shard in it.shards:
-      for name in (_shard_file(shard, it.num_shards), f"process_{shard}-of-{it.num_shards}.json"):
-        if (directory / name).exists():
-          states[shard] = json.loads((directory / name).read_text())
-          break
-      else:
-        raise ConfigError(_missing_shard_message(directory, shard, it.num_shards))
-    it.set_shard_states(states)
-    it.start_prefetch()
-    return it
-
-  # The rest of Orbax's CheckpointHandler protocol: nothing to report or clean up.
-  def structure(self, directory):
-    del directory
-
-  def metadata(self, directory):
-    del directory
-
-  def finalize(self, directory):
-    del directory
-
-  def close(self):
-    pass
-
-  @classmethod
-  def typestr(cls):
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-@ocp.args.register_with_handler(DataShardsHandler, for_save=True)
-@dataclasses.dataclass
-class DataShardsSave(ocp.args.CheckpointArgs):
-  item: ShardedIterator
-
-
-@ocp.args.register_with_handler(DataShardsHandler, for_restore=True)
-@dataclasses.dataclass
-class DataShardsRestore(ocp.args.CheckpointArgs):
-  item: ShardedIterator
-
-
-def _not_global_message(directory) -> str:
-  saved = sorted(p.name for p in directory.iterdir())
-  return (f"checkpoint {directory.parent}: its data state ({', '.join(saved) or 'none'}) is "
-          f"per data shard, from a run with data.num_shards > 0 or from an earlier jaxtrain, "
-          f"and this run reads its data as one global stream (data.num_shards=0), so the data "
-          f"cannot resume exactly; resume with the run's own --config.data.num_shards, or "
-          f"start a new run from its weights with --config.checkpoint.init_from="
-          f"{directory.parent}")
-
-
-def _shard_file(shard: int, num_shards: int) -> str:
-  return f"shard_{shard}-of-{num_shards}.json"
-
-
-def _missing_shard_message(directory, shard: int, num_shards: int) -> str:
-  saved = sorted({int(m.group(1)) for p in directory.iterdir()
-                  if (m := re.fullmatch(r"(?:shard|process)_\d+-of-(\d+)\.json", p.name))})
-  if not saved:
-    if (directory / GLOBAL_STREAM_FILE).exists():
-      return (f"checkpoint {directory.parent}: its data was read as one global stream "
-              f"(data.num_shards=0), and this run reads {num_shards} data shards "
-              f"(data.num_shards={num_shards}), so the data cannot resume exactly; resume "
-              f"with --config.data.num_shards=0")
-    return f"checkpoint {directory}: no data-iterator state for data shard {shard}"
-  was = saved[0]
-  return (f"checkpoint {directory.parent}: its data stream was saved as {was} data shards, "
-          f"this run reads {num_shards} (data.num_shards, 0: one per process), so the data "
-          f"cannot resume exactly; run with --config.data.num_shards={was} on a process count "
-          f"that divides {was}")
 
 
 def save_params(directory: str, params: Any) -> str:

@@ -198,12 +198,14 @@ def _check_mxfp8(config) -> None:
 
 
 def validate(config, num_devices: int, platform: str = "cpu", *,
-             num_processes: int | None = None, num_slices: int = 1) -> MeshShape:
+             num_processes: int | None = None, num_slices: int = 1,
+             for_run: bool = True) -> MeshShape:
   """Checks everything that can be checked before compiling. Returns the resolved mesh shape.
 
   `platform` is the JAX backend ("cpu", "gpu", "tpu") for backend-specific choices.
   `num_processes` and `num_slices` (TPU slices) are the run's hosts, for the multi-host keys;
   None (dry runs, which emulate devices in one process) skips the checks against them.
+  `for_run=False` (dry runs, the preflight compile) skips what only a run needs: W&B logging.
 
   Raises ConfigError with one line: the key, the bad value, and how to fix it.
   """
@@ -334,7 +336,8 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
   if not 0.0 < config.data.eval_fraction < 1.0:
     raise ConfigError(f"data.eval_fraction={config.data.eval_fraction}: must be in (0, 1)")
   _check_multihost(config, mesh, num_processes, num_slices)
-  _check_wandb(config)
+  if for_run:  # a dry run compiles and logs nothing: W&B need not be installed for it
+    _check_wandb(config)
   return mesh
 
 

@@ -19,6 +19,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxtrain.data import shards as data_shards
+from jaxtrain.data.sources import DataError
 from jaxtrain.feeders import evaluate, to_global_batch  # re-exported for callers of the loop
 from jaxtrain.checkpoint import Checkpointer, abstract_like, load_params
 from jaxtrain import host_memory
@@ -142,7 +143,12 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
   state, start_step = _restore_or_init(setup, ckpt, train_iter, t.seed,
                                        config.checkpoint.init_from)
   # Taken after any restore: the iterator then continues where the checkpoint left it.
-  first_batch = next(train_iter)
+  try:
+    first_batch = next(train_iter)
+  except DataError:
+    if ckpt:  # nothing saved yet: no empty checkpoints directory left behind
+      ckpt.close_unused()
+    raise
   packing = objective.packing_efficiency(first_batch)
   writer = None
   if is_chief:

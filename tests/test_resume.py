@@ -213,3 +213,18 @@ def test_init_from_another_runs_checkpoint(tmp_path, uninterrupted):
   # The same first batch, seen by trained weights: the loss is where the first run left off.
   assert second[0]["loss"] < first[0]["loss"] - 0.5
   assert abs(second[0]["loss"] - first[-1]["loss"]) < 0.5
+
+
+def test_a_checkpointer_that_saved_nothing_leaves_no_empty_directories(tmp_path):
+  """A run refused for bad data in its first batch (after the checkpointer opened) removes the
+  directories the checkpointer created, and only those."""
+  from jaxtrain.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  unused = Checkpointer(str(tmp_path / "new_workdir" / "checkpoints"), every_steps=1)
+  assert (tmp_path / "new_workdir" / "checkpoints").is_dir()
+  unused.close_unused()
+  assert not (tmp_path / "new_workdir").exists()
+  (tmp_path / "workdir").mkdir()
+  (tmp_path / "workdir" / "metrics.jsonl").write_text("{}\n")
+  unused = Checkpointer(str(tmp_path / "workdir" / "checkpoints"), every_steps=1)
+  unused.close_unused()
+  assert sorted(os.listdir(tmp_path / "workdir")) == ["metrics.jsonl"]

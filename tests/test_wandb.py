@@ -17,7 +17,7 @@ import zlib
 import pytest
 
 from jaxtrain import config as config_lib
-from jaxtrain import metrics, wandb_logger
+from jaxtrain import config_checks, metrics, wandb_logger
 from tests.helpers import assert_one_line_config_error, run_cli
 
 # configs/tiny.py's model, on fewer tokens per step and eval (what is logged does not depend on
@@ -154,6 +154,16 @@ def test_without_the_package_the_run_is_refused_in_one_line(tmp_path, monkeypatc
   for word in ["log.wandb=True", "wandb package is not installed", 'pip install -e ".[wandb]"']:
     assert word in lines[0], (word, lines[0])
   assert not workdir.exists()
+
+
+def test_a_dry_run_needs_no_wandb_package(monkeypatch):
+  """A dry run compiles and logs nothing: log.wandb=True is no reason to refuse it."""
+  monkeypatch.setitem(sys.modules, "wandb", None)
+  c = config_lib.default_config()
+  c.log.wandb = True
+  with pytest.raises(config_lib.ConfigError, match="wandb package is not installed"):
+    config_checks.validate(c, 1)
+  config_checks.validate(c, 1, for_run=False)
 
 
 def test_empty_project_is_refused():

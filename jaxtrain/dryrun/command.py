@@ -80,7 +80,7 @@ def main(config, num_devices: int | None, target_name: str | None = None,
     num_devices = target.num_devices  # XLA:CPU models the target on as many CPU devices
   cpu_devices = jax.devices("cpu")
   n = num_devices or len(cpu_devices)
-  validate(config, n, _platform_for(cpu_devices, target))
+  validate(config, n, _platform_for(cpu_devices, target), for_run=False)
   if n > len(cpu_devices):
     if os.environ.get(_CHILD_ENV):
       raise RuntimeError(f"asked for {n} emulated CPU devices, got {len(cpu_devices)}")

@@ -188,7 +188,7 @@ def compile_step(config, devices, platform: str | None = None, dump_dir: str | N
   nothing. `dump_dir`: where the compiler writes what breakdown.read needs."""
   backend = platform_of_backend(devices[0].platform)
   platform = platform or backend
-  mesh_shape = validate(config, len(devices), platform)
+  mesh_shape = validate(config, len(devices), platform, for_run=False)
   mesh = make_mesh(mesh_shape, devices)
   model_cfg, attention_note = modelled_model_config(config, backend, platform)
   # The step exactly as the trainer builds it, frozen weights (LoRA base, DPO reference) included.
@@ -328,7 +328,7 @@ def _refused(config, devices, platform, e: CompilerOutOfMemory, compile_s: float
   """The figures of a step the compiler refused for memory: exact state and batch bytes, the
   temporaries it asked for (as rounded in its message), no outputs or FLOPs."""
   backend = platform_of_backend(devices[0].platform)
-  mesh_shape = validate(config, len(devices), platform or backend)
+  mesh_shape = validate(config, len(devices), platform or backend, for_run=False)
   model_cfg, attention_note = modelled_model_config(config, backend, platform or backend)
   exact = state_bytes(e.state)
   shards = _param_shards(e.state.params) + (
