@@ -11,6 +11,7 @@ import json
 import math
 import os
 import struct
+import time
 import sys
 import zlib
 
@@ -64,12 +65,28 @@ def _records(path):
       pieces = b""
 
 
+def _finished_records(path, timeout_s: float = 60.0):
+  """The records of a finished run's `.wandb` file, read once its exit record is there: W&B's
+  service process writes the file, and on a loaded machine the last records can land a moment
+  after `finish()` has returned."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      records = list(_records(path))
+    except AssertionError:  # a record being written: its checksum does not match yet
+      records = []
+    if any(r.WhichOneof("record_type") == "exit" for r in records):
+      return records
+    assert time.monotonic() < deadline, f"{path}: no exit record after {timeout_s:.0f} s"
+    time.sleep(0.2)
+
+
 def _offline_run(workdir):
   """(run record, {step: {key: value}} of the history) of the one offline run in workdir."""
   paths = glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb"))
   assert len(paths) == 1, paths
   run, history = None, {}
-  for record in _records(paths[0]):
+  for record in _finished_records(paths[0]):
     kind = record.WhichOneof("record_type")
     if kind == "run":
       run = record.run
@@ -195,7 +212,8 @@ def test_a_run_closed_while_an_exception_propagates_is_marked_failed(tmp_path, m
     finally:
       logger.close()
   paths = glob.glob(os.path.join(tmp_path, "run", "wandb", "offline-run-*", "run-*.wandb"))
-  exits = [r.exit.exit_code for r in _records(paths[0]) if r.WhichOneof("record_type") == "exit"]
+  exits = [r.exit.exit_code for r in _finished_records(paths[0])
+           if r.WhichOneof("record_type") == "exit"]
   assert exits == [1]
   run, history = _offline_run(tmp_path / "run")
   assert run.display_name == "crash" and history == {1: {"train/loss": 2.5}}
