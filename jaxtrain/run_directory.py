@@ -51,19 +51,17 @@ class RunDirectory:
     if not self.url:
       return
     with self._lock:
-      for rel in self._files():
-        path = os.path.join(self.local, rel)
-        stamp = _stamp(path)
-        if self._pushed.get(rel) == stamp:
-          continue
-        target = f"{self.url}/{rel.replace(os.sep, '/')}"
-        if rel.endswith(".jsonl"):
-          with open(path, "rb") as f:
-            data = f.read()
-          storage.write_bytes(target, data[:data.rfind(b"\n") + 1])
-        else:
-          storage.upload_dir(self.local, self.url, only=[rel])
-        self._pushed[rel] = stamp
+      changed = {rel: _stamp(os.path.join(self.local, rel)) for rel in self._files()}
+      changed = {rel: stamp for rel, stamp in changed.items() if self._pushed.get(rel) != stamp}
+      for rel in [r for r in changed if r.endswith(".jsonl")]:
+        with open(os.path.join(self.local, rel), "rb") as f:
+          data = f.read()
+        storage.write_bytes(f"{self.url}/{rel.replace(os.sep, '/')}",
+                            data[:data.rfind(b"\n") + 1])
+      whole = [r for r in changed if not r.endswith(".jsonl")]
+      if whole:  # the rest in one concurrent copy
+        storage.upload_dir(self.local, self.url, only=whole)
+      self._pushed.update(changed)
 
   def start(self) -> None:
     """Pushes every `sync_every_s` on a background thread until close()."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import posixpath
+import shutil
+import tempfile
 
 from jaxtrain.data.sources.common import DataError
 
@@ -163,7 +165,9 @@ def read_ranges_many(requests: list[tuple[str, int, int]]) -> list[bytes]:
     if not key:  # local files
       for i in members:
         path, start, end = requests[i]
-        out[i] = read_ranges(path, [(start, end)])[0]
+        with open(path, "rb") as f:
+          f.seek(start)
+          out[i] = f.read(end - start)
       continue
 
     def fetch(fs, _, members=members):
@@ -178,20 +182,7 @@ def read_ranges_many(requests: list[tuple[str, int, int]]) -> list[bytes]:
 def read_ranges(path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
   """The bytes [start, end) of each range of one object, fetched concurrently (one request per
   range: the caller coalesces neighbours)."""
-  if not ranges:
-    return []
-  if not is_url(path):
-    with open(path, "rb") as f:
-      out = []
-      for start, end in ranges:
-        f.seek(start)
-        out.append(f.read(end - start))
-      return out
-
-  def fetch(fs, p):
-    return fs.cat_ranges([p] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges],
-                         on_error="raise")
-  return list(_call(path, fetch))
+  return read_ranges_many([(path, start, end) for start, end in ranges])
 
 
 # --- Whole directories: what checkpoints, workdirs and weights directories on a bucket need. ---
@@ -204,7 +195,6 @@ def staging_path(url: str, *parts: str) -> str:
   download): `$JAXTRAIN_STAGING_DIR/<scheme>/<bucket>/<path>`, by default under the system's temp
   directory. A run on several hosts stages checkpoints for s3:// in it, so there it must be a
   directory all hosts share (jaxtrain/checkpoint_mirror.py)."""
-  import tempfile  # pylint: disable=import-outside-toplevel
   root = os.environ.get(STAGING_ENV) or os.path.join(
       tempfile.gettempdir(), f"jaxtrain-staging-{os.getuid() if hasattr(os, 'getuid') else 0}")
   scheme, _, rest = url.partition("://")
@@ -238,7 +228,6 @@ def write_bytes(path: str, data: bytes) -> None:
 def remove_tree(path: str) -> None:
   """Deletes `path` and everything under it; nothing when it does not exist."""
   if not is_url(path):
-    import shutil  # pylint: disable=import-outside-toplevel
     shutil.rmtree(path, ignore_errors=True)
     return
 

@@ -332,7 +332,7 @@ def _restore_or_init(setup: Setup, ckpt: Checkpointer | None, train_iter, seed: 
   with jax.set_mesh(setup.mesh):
     shapes = jax.eval_shape(setup.init_fn, jax.random.key(seed))
   state, step = None, 0
-  if ckpt is not None and ckpt.latest_step() is not None:
+  if ckpt is not None:  # (None, None) when there is no checkpoint: one listing, not two
     state, step = ckpt.restore_latest(abstract_like(shapes, setup.shardings), train_iter)
     step = step or 0
   lora = setup.model_cfg.peft.lora_rank > 0

@@ -27,6 +27,24 @@ def take(it, n):
   return [next(it) for _ in range(n)]
 
 
+def source_config(source: str, train_paths, eval_fraction: float = 0.2):
+  """small_config reading `train_paths` through `source`, its eval side held out."""
+  c = small_config()
+  c.data.source, c.data.train_paths, c.data.eval_fraction = source, train_paths, eval_fraction
+  return c
+
+
+def assert_reads_like(local, remote, source: str = "prepared", batches: int = 8):
+  """The same corpus named two ways (a local path, a bucket URL) gives the same train batches
+  and eval batches; with `source="prepared"`, the remote stream also resumes exactly."""
+  here, there = source_config(source, local), source_config(source, remote)
+  assert_batches_equal(take(data.make_train_iterator(here), batches),
+                       take(data.make_train_iterator(there), batches))
+  assert_batches_equal(data.make_eval_batches(here), data.make_eval_batches(there))
+  if source == "prepared":
+    assert_resumes(there)
+
+
 def assert_batches_equal(a, b):
   assert len(a) == len(b)
   for x, y in zip(a, b):

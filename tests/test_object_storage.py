@@ -14,8 +14,8 @@ from jaxtrain import data, storage
 from jaxtrain.data import sources
 from jaxtrain.data.prepare import prepare
 from jaxtrain.data.sources import remote_tokens
-from tests.data_helpers import (assert_batches_equal, assert_resumes, make_docs, small_config,
-                                take, write_jsonl)
+from tests.data_helpers import (assert_batches_equal, assert_reads_like, make_docs,
+                                source_config, take, write_jsonl)
 from tests.object_store import s3_server, upload
 
 
@@ -89,15 +89,7 @@ def test_a_corpus_read_from_the_bucket_gives_the_local_batches(s3, tmp_path):
   for doc in (0, 17, len(here) - 1):
     np.testing.assert_array_equal(there.read(doc), here.read(doc))
 
-  configs = []
-  for path in (local, url):
-    c = small_config()
-    c.data.source, c.data.train_paths, c.data.eval_fraction = "prepared", path, 0.2
-    configs.append(c)
-  assert_batches_equal(take(data.make_train_iterator(configs[0]), 8),
-                       take(data.make_train_iterator(configs[1]), 8))
-  assert_batches_equal(data.make_eval_batches(configs[0]), data.make_eval_batches(configs[1]))
-  assert_resumes(configs[1])
+  assert_reads_like(local, url)
 
 
 def test_remote_reads_coalesce_into_one_range_per_run_of_blocks(s3, tmp_path):
@@ -132,12 +124,8 @@ def test_the_stream_reads_a_bucket_corpus_ahead_of_the_step(s3, tmp_path):
   then finds them fetched, and the batches are those of local files."""
   url = f"{s3}/ahead"
   upload(_prepared(tmp_path), url)
-  c = small_config()
-  c.data.source, c.data.train_paths, c.data.eval_fraction = "prepared", url, 0.2
-  stream = data.make_train_iterator(c)
-  local = small_config()
-  local.data.source, local.data.train_paths, local.data.eval_fraction = (
-      "prepared", str(tmp_path / "prepared"), 0.2)
+  stream = data.make_train_iterator(source_config("prepared", url))
+  local = source_config("prepared", str(tmp_path / "prepared"))
   assert_batches_equal(take(stream, 6), take(data.make_train_iterator(local), 6))
   assert stream.read_ahead is not None and stream.read_ahead.chunks_warmed > 0
   assert data.make_train_iterator(local).read_ahead is None  # local files: no thread
@@ -148,12 +136,8 @@ def test_the_stream_reads_a_bucket_corpus_ahead_of_the_step(s3, tmp_path):
 def test_the_read_ahead_thread_ends_with_its_stream(s3, tmp_path):
   url = f"{s3}/ahead-end"
   upload(_prepared(tmp_path), url)
-  c = small_config()
-  c.data.source, c.data.train_paths, c.data.eval_fraction = "prepared", url, 0.2
-  local = small_config()
-  local.data.source, local.data.train_paths, local.data.eval_fraction = (
-      "prepared", str(tmp_path / "prepared"), 0.2)
-  stream = data.make_train_iterator(c)
+  local = source_config("prepared", str(tmp_path / "prepared"))
+  stream = data.make_train_iterator(source_config("prepared", url))
   batches = [next(stream)]
   thread = stream.read_ahead._thread  # pylint: disable=protected-access
   assert thread.is_alive()

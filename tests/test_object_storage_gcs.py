@@ -18,8 +18,7 @@ import pytest
 from jaxtrain import checkpoint, checkpoint_mirror, data, storage
 from jaxtrain.data import sources
 from jaxtrain.data.prepare import prepare
-from tests.data_helpers import (assert_batches_equal, assert_resumes, make_docs, small_config,
-                                take, write_jsonl)
+from tests.data_helpers import assert_reads_like, make_docs, write_jsonl
 from tests.gcs_store import gcs_server, upload
 from tests.helpers import REPO, SMALL_TINY_ARGS, main_command, main_env, run_cli, run_tiny
 
@@ -101,15 +100,7 @@ def test_a_corpus_read_from_the_bucket_gives_the_local_batches(gs, tmp_path):
   pick = pieces[np.random.default_rng(0).permutation(len(pieces))[:300]]
   np.testing.assert_array_equal(there.read_pieces(pick), here.read_pieces(pick))
 
-  configs = []
-  for path in (local, url):
-    c = small_config()
-    c.data.source, c.data.train_paths, c.data.eval_fraction = "prepared", path, 0.2
-    configs.append(c)
-  assert_batches_equal(take(data.make_train_iterator(configs[0]), 8),
-                       take(data.make_train_iterator(configs[1]), 8))
-  assert_batches_equal(data.make_eval_batches(configs[0]), data.make_eval_batches(configs[1]))
-  assert_resumes(configs[1])
+  assert_reads_like(local, url)
 
 
 def test_weights_on_a_bucket_are_written_and_read_by_orbax_directly(gs):
