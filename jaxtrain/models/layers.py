@@ -294,7 +294,8 @@ class MoE(nnx.Module):
 
   def __call__(self, x_BTD, mask_BT, routing_BTK=None):
     """(out_BTD, the layer's router statistics, the chosen experts [B, T, k]); `mask_BT`: the
-    tokens the statistics count; `routing_BTK`: experts to replay instead of choosing them."""
+    tokens routed and counted (padding, False, is not: its routed output is 0);
+    `routing_BTK`: experts to replay instead of choosing them."""
     dtype = self.routing.dtype
     experts = {}
     for name, weight, lora in (("gate", self.w_gate_XDF, self.lora_gate),
@@ -361,7 +362,7 @@ class Block(nnx.Module):
                routing=None):
     """(x_BTD, router statistics); `routing` [B, T, k]: an MoE block's experts to replay."""
     out_BTD = self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, dropout_key, sliding)
-    mask_BT = None if segment_ids_BT is None else segment_ids_BT > 0  # padding routes, uncounted
+    mask_BT = None if segment_ids_BT is None else segment_ids_BT > 0  # padding: not routed
     x_BTD, stats, _ = self._mlp_residual(self._attn_residual(x_BTD, out_BTD), mask_BT,
                                          dropout_key, routing)
     return x_BTD, stats

@@ -13,6 +13,11 @@ C capacity per expert):
            token's first choice before any second choice, then in token order) into an
            [X, C, D] buffer, one batched matmul per projection; assignments past C are dropped
            (that expert adds nothing for that token; the residual carries it).
+  padding  (mask_N False) is never routed, on every route: its assignments sort after every
+           real one, outside every group, buffer and all-to-all, and its output is 0. So
+           padding takes no capacity (C counts the real tokens; the buffer is sized for all
+           N) and the outputs, drops and statistics of the real tokens are the same whatever
+           padding a batch holds and wherever it sits.
   losses   load-balancing (Switch / Mixtral form): X * sum_e f_e * P_e, f_e the share of
            assignments that chose expert e and P_e its mean router probability: 1.0 when
            balanced (transformers' Mixtral loss is k times this, over all layers at once).
@@ -28,10 +33,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxtrain import fp8
 from jaxtrain.grouped_matmul import grouped_matmul
@@ -119,23 +124,32 @@ def _within_best_groups(choice_NX, n_group: int, topk_group: int):
   return jnp.where(keep_NG[:, :, None], grouped_NGM, 0.0).reshape(n, x)
 
 
-def capacity(tokens: int, routing: Routing) -> int:
-  """Assignments each expert takes per device in capacity mode: ceil(cf * N * k / X)."""
-  return max(1, math.ceil(routing.capacity_factor * tokens * routing.top_k
-                          / routing.num_experts))
+def capacity(assignments, routing: Routing):
+  """Assignments each expert takes per device in capacity mode: ceil(cf * A / X) (at least 1),
+  A = N * k. An int A gives the buffer's static size (every position); a traced one the limit
+  (the real tokens' assignments). Both round the same float32 product, so the two agree
+  exactly when no token is padding."""
+  per_assignment = np.float32(routing.capacity_factor / routing.num_experts)
+  if isinstance(assignments, int):
+    return max(1, int(np.ceil(np.float32(assignments) * per_assignment)))
+  return jnp.maximum(1, jnp.ceil(assignments.astype(jnp.float32) * per_assignment)
+                     ).astype(jnp.int32)
 
 
-def sort_by_expert(experts_NK: jax.Array, num_experts: int):
+def sort_by_expert(experts_NK: jax.Array, num_experts: int, mask_N: jax.Array | None = None):
   """The assignments in expert order. Assignment a = j * N + n is token n's j-th choice (so
-  every first choice precedes any second choice within an expert's rows).
+  every first choice precedes any second choice within an expert's rows). Padding's
+  assignments (mask_N False) get expert X: they sort after every real row, in no group.
 
   Returns (order_A: assignment indices sorted by expert, stable; token_A: the token of each
-  sorted row; expert_A: its expert; group_sizes_X)."""
+  sorted row; expert_A: its expert, X for padding; group_sizes_X: the real rows only)."""
   n, k = experts_NK.shape
+  if mask_N is not None:
+    experts_NK = jnp.where(mask_N[:, None], experts_NK, num_experts)
   experts_A = experts_NK.T.reshape(n * k)
   order_A = jnp.argsort(experts_A, stable=True)
   token_A = (order_A % n).astype(jnp.int32)
-  group_sizes_X = jnp.zeros((num_experts,), jnp.int32).at[experts_A].add(1)
+  group_sizes_X = jnp.zeros((num_experts,), jnp.int32).at[experts_A].add(1, mode="drop")
   return order_A, token_A, experts_A[order_A], group_sizes_X
 
 
@@ -187,11 +201,19 @@ def expert_mlp_batched(x_GCD, experts: dict, routing: Routing):
   return mm(act(mm(x_GCD, "gate")) * mm(x_GCD, "up"), "down")
 
 
-def capacity_slots(expert_A, group_sizes_X, cap: int):
-  """Each sorted row's slot in its expert's buffer, and whether it fits (slot < cap)."""
+def capacity_slots(expert_A, group_sizes_X, routing: Routing, tokens: int):
+  """(the buffer's rows C, each sorted row's slot in its expert's [C] rows, whether the row
+  was dropped) for `tokens` positions: an expert takes its first `capacity` real rows, counted
+  over the real tokens (group_sizes_X); a row it does not take, dropped or padding (expert X),
+  gets slot C, outside the buffer, so scatters skip it and gathers give 0."""
+  cap = capacity(tokens * routing.top_k, routing)
+  limit = capacity(jnp.sum(group_sizes_X), routing)  # <= cap: real rows <= positions * k
   starts_X = jnp.cumsum(group_sizes_X) - group_sizes_X
-  slot_A = jnp.arange(expert_A.shape[0], dtype=jnp.int32) - starts_X[expert_A]
-  return slot_A, slot_A < cap
+  slot_A = (jnp.arange(expert_A.shape[0], dtype=jnp.int32)
+            - jnp.take(starts_X, expert_A, mode="clip"))
+  real_A = expert_A < routing.num_experts
+  kept_A = real_A & (slot_A < limit)
+  return cap, jnp.where(kept_A, slot_A, cap), real_A & ~kept_A
 
 
 def router_stats(logits_NX, probs_NX, experts_NK, mask_N, dropped_A, psum,
@@ -246,17 +268,17 @@ def sequence_balance(probs_NX, one_hot_NKX, mask_N, sequences: Sequences):
 
 def local_experts(experts: dict, routing: Routing, tokens: int):
   """The dispatch when this device holds every expert: `run(x_AD, expert_A, group_sizes_X)
-  -> (y_AD, dropped_A)` on the assignments in expert order."""
+  -> (y_AD, dropped_A)` on the assignments in expert order (padding last, expert X: the
+  grouped matmul leaves rows past the groups 0)."""
   def run(x_AD, expert_A, group_sizes_X):
     if routing.capacity_factor <= 0:
       y_AD = expert_mlp_grouped(x_AD, group_sizes_X, experts, routing)
       return y_AD, jnp.zeros(expert_A.shape, bool)
-    cap = capacity(tokens, routing)
-    slot_A, kept_A = capacity_slots(expert_A, group_sizes_X, cap)
+    cap, slot_A, dropped_A = capacity_slots(expert_A, group_sizes_X, routing, tokens)
     buffer_XCD = jnp.zeros((routing.num_experts, cap, x_AD.shape[1]), x_AD.dtype)
     buffer_XCD = buffer_XCD.at[expert_A, slot_A].set(x_AD, mode="drop")
     y_XCD = expert_mlp_batched(buffer_XCD, experts, routing)
-    return y_XCD.at[expert_A, slot_A].get(mode="fill", fill_value=0), ~kept_A
+    return y_XCD.at[expert_A, slot_A].get(mode="fill", fill_value=0), dropped_A
   return run
 
 
@@ -268,12 +290,15 @@ def moe_ffn(x_ND, mask_N, router: dict, run, routing: Routing, *, psum=lambda t:
   `run(x_AD, expert_A, group_sizes_X) -> (y_AD, dropped_A)` takes the assignments, sorted by
   expert, through their experts (`local_experts`, or `exchanging_experts`); `psum` sums the
   statistics over the devices holding other tokens; `sequences`: how the tokens form rows;
-  `forced_NK`: experts to replay instead of choosing (`route`)."""
+  `forced_NK`: experts to replay instead of choosing (`route`). Padding (mask_N False) is not
+  routed (module docstring): its output is 0 and it enters no statistic."""
   logits_NX = jnp.dot(x_ND.astype(jnp.float32), router["weight"].astype(jnp.float32))
   probs_NX, weights_NK, experts_NK = route(logits_NX, routing, router.get("bias"), forced_NK)
-  order_A, token_A, expert_A, group_sizes_X = sort_by_expert(experts_NK, routing.num_experts)
+  order_A, token_A, expert_A, group_sizes_X = sort_by_expert(experts_NK, routing.num_experts,
+                                                             mask_N)
   y_AD, dropped_sorted_A = run(x_ND[token_A], expert_A, group_sizes_X)
-  out_ND = unsort_and_combine(y_AD, order_A, weights_NK)
+  # Zero weights make padding's output 0 (and its router gradient) on every route.
+  out_ND = unsort_and_combine(y_AD, order_A, jnp.where(mask_N[:, None], weights_NK, 0.0))
   dropped_A = dropped_sorted_A[inverse_permutation(order_A)]
   return out_ND, router_stats(logits_NX, probs_NX, experts_NK, mask_N, dropped_A, psum,
                               sequences if routing.sequence_balance else None), experts_NK
@@ -286,7 +311,8 @@ def exchanging_experts(experts: dict, routing: Routing, tokens: int, shards: int
 
   Dropless, a device may send all of its A = N*k assignments to one peer, so each per-peer
   buffer holds A rows (exact; the receiver computes only the rows present). In capacity mode
-  each device sends each expert at most C rows: [X, C, D] buffers."""
+  each device sends each expert at most C rows: [X, C, D] buffers. Padding rows (expert X,
+  sorted last, in no group) are sent nowhere and come back 0."""
   local = routing.num_experts // shards
   all_to_all = expert_parallel.all_to_all
 
@@ -309,12 +335,12 @@ def exchanging_experts(experts: dict, routing: Routing, tokens: int, shards: int
     sizes_G = jnp.zeros((local,), jnp.int32).at[ids_R].add(1, mode="drop")
     y_RD = expert_mlp_grouped(recv_RD[order_R], sizes_G, experts, routing)
     back_SPD = all_to_all(y_RD[inverse_permutation(order_R)].reshape(shards, a, d))
-    return back_SPD[shard_A, pos_A], jnp.zeros((a,), bool)
+    # Padding's shard_A is `shards`, past the buffers: the fill gives it 0.
+    return back_SPD.at[shard_A, pos_A].get(mode="fill", fill_value=0), jnp.zeros((a,), bool)
 
   def capacity_bounded(x_AD, expert_A, group_sizes_X):
     d = x_AD.shape[1]
-    cap = capacity(tokens, routing)
-    slot_A, kept_A = capacity_slots(expert_A, group_sizes_X, cap)
+    cap, slot_A, dropped_A = capacity_slots(expert_A, group_sizes_X, routing, tokens)
     send_XCD = jnp.zeros((routing.num_experts, cap, d), x_AD.dtype)
     send_XCD = send_XCD.at[expert_A, slot_A].set(x_AD, mode="drop")
     recv_SGCD = all_to_all(send_XCD.reshape(shards, local, cap, d))
@@ -322,7 +348,7 @@ def exchanging_experts(experts: dict, routing: Routing, tokens: int, shards: int
     y_GRD = expert_mlp_batched(x_GRD, experts, routing)
     y_SGCD = y_GRD.reshape(local, shards, cap, d).transpose(1, 0, 2, 3)
     y_XCD = all_to_all(y_SGCD).reshape(routing.num_experts, cap, d)
-    return y_XCD.at[expert_A, slot_A].get(mode="fill", fill_value=0), ~kept_A
+    return y_XCD.at[expert_A, slot_A].get(mode="fill", fill_value=0), dropped_A
 
   return capacity_bounded if routing.capacity_factor > 0 else dropless
 
