@@ -228,12 +228,14 @@ def sequence_cross_entropy(x_BTD, w, targets_BT, mask_BT, chunk_size: int,
 
 
 def token_cross_entropy(x_BTD, w, targets_BT, chunk_size: int, vocab_axis: int = 1,
-                        vocab_limit: int | None = None):
+                        vocab_limit: int | None = None, temperature: float = 1.0):
   """[B, T] float32 cross-entropy of every target token (e.g. GRPO's per-token log-probs).
 
   Chunked and rematerialized like `sequence_cross_entropy`: [B, C, V] float32 logits at a time.
   `vocab_limit`: the softmax over ids below it only (the tokenizer's real vocabulary, which the
-  RL samplers draw from; the model's may be padded past it).
+  RL samplers draw from; the model's may be padded past it). `temperature`: the softmax of the
+  float32 logits divided by it (the RL samplers' tempered distribution; dividing here, not the
+  bfloat16 hidden states or head, keeps it the sampler's to float32 round-off).
   """
   t = x_BTD.shape[1]
   x_NBCD, targets_NBC, _ = _chunked(x_BTD, targets_BT, jnp.ones(targets_BT.shape), chunk_size)
@@ -241,6 +243,8 @@ def token_cross_entropy(x_BTD, w, targets_BT, chunk_size: int, vocab_axis: int =
   @jax.checkpoint
   def chunk_tokens(x_BCD, targets_BC):
     logits_BCV = _head(x_BCD, w, vocab_axis)
+    if temperature != 1.0:
+      logits_BCV = logits_BCV / temperature
     if vocab_limit is not None and vocab_limit < w.shape[vocab_axis]:
       real_V = jnp.arange(w.shape[vocab_axis]) < vocab_limit
       lse_BC = jax.nn.logsumexp(jnp.where(real_V, logits_BCV, -jnp.inf), axis=-1)

@@ -75,6 +75,25 @@ def sample_token(logits_BV, key, temperature: float, top_p: float,
   return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
 
 
+def sampled_logprobs(logits_BV, tokens_B, temperature: float, vocab_size: int | None = None):
+  """[B] float32 log-probs of `tokens_B` under softmax(logits / temperature) over the ids
+  `vocab_size` allows: the tempered distribution `sample_token` draws from, before its top-p
+  cut (what the RL trainer recomputes: jaxtrain.grpo.token_logprobs at grpo.temperature).
+  Temperature 0 (greedy) gives temperature 1's: the argmax is a point mass, with no log-probs
+  worth recording, and nothing is divided by 0.
+
+  Why not the top-p-renormalized one: the trainer would have to rebuild every position's nucleus
+  in its chunked head (a sort over the vocabulary per position), and the nucleus moves with the
+  weights, so a sampled token can leave the updated policy's or the reference's nucleus and get
+  a log-prob of -inf (an infinite KL, a ratio of 0). The tempered full softmax is what TRL and
+  verl train on too; with top_p < 1 the draw's own log-prob is higher by -log(kept mass), at
+  most -log(top_p), and the ratio does not correct for the truncation (docs/finetuning.md)."""
+  t = temperature if temperature > 0 else 1.0
+  all_BV = jax.nn.log_softmax(mask_vocab(logits_BV.astype(jnp.float32), vocab_size) / t,
+                              axis=-1)
+  return jnp.take_along_axis(all_BV, tokens_B[:, None], axis=-1)[:, 0]
+
+
 def mask_vocab(logits_BV, vocab_size: int | None):
   """The logits with ids >= `vocab_size` at -inf (unchanged when None or >= the model's)."""
   v = logits_BV.shape[-1]
@@ -96,10 +115,11 @@ def sample_continuations(model: Decoder, prompt_BP, lengths_B, key, sampling: Sa
   rollouts, which merge the model from the live sharded params).
 
   `with_logprobs`: returns (tokens [B, N], log-probs [B, N] float32), each generated token's
-  log-probability under the policy's distribution: log_softmax of its logits at temperature 1
-  over the ids `sampling.vocab_size` allows (the tokenizer's; all the model's when None), before
-  temperature and top-p shape the draw. That is what a trainer computes for the same token from
-  the same weights (grpo.token_logprobs with the same vocab_limit), so the two can be compared
+  log-probability under the distribution it was drawn from: log_softmax of its logits divided
+  by `sampling.temperature` (1 when greedy) over the ids `sampling.vocab_size` allows (the
+  tokenizer's; all the model's when None), before the top-p cut (`sampled_logprobs` says why).
+  That is what the RL trainer computes for the same token from the same weights
+  (grpo.token_logprobs with the same vocab_limit and temperature), so the two can be compared
   (`logprob_mismatch`). 0 after a row's EOS.
 
   `with_routing` (an MoE model): also the experts every layer chose for every position's token
@@ -137,9 +157,7 @@ def sample_continuations(model: Decoder, prompt_BP, lengths_B, key, sampling: Sa
     token_B = jnp.where(done_B, eos, token_B)
     out_BN = out_BN.at[:, i].set(token_B)
     if with_logprobs:
-      all_BV = jax.nn.log_softmax(mask_vocab(last_BV.astype(jnp.float32), sampling.vocab_size),
-                                  axis=-1)
-      logprob_B = jnp.take_along_axis(all_BV, token_B[:, None], axis=-1)[:, 0]
+      logprob_B = sampled_logprobs(last_BV, token_B, sampling.temperature, sampling.vocab_size)
       logprobs_BN = logprobs_BN.at[:, i].set(jnp.where(done_B, 0.0, logprob_B))
     done_B = done_B | (token_B == eos)
     model = nnx.merge(graphdef, state)

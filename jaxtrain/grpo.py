@@ -19,8 +19,9 @@ from jaxtrain.cross_entropy import token_cross_entropy
 # computes them (OLD_LOGPROBS, right after sampling).
 TOKEN_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 OLD_LOGPROBS = "old_logprobs"
-# The sampler's own log-prob of each generated token [B, T], recorded in the decode loop
-# (jaxtrain.generate.sample_continuations, with_logprobs) and aligned like OLD_LOGPROBS by
+# The sampler's own log-prob of each generated token [B, T] under the tempered softmax it drew
+# from (before top-p; jaxtrain.generate.sample_continuations, with_logprobs), recorded in the
+# decode loop and aligned like OLD_LOGPROBS by
 # jaxtrain.rollouts.training_rows: position t holds log p(targets[t]), NaN where no token was
 # sampled (prompt, padding, a warm-up's reference completion). Any objective trained on sampled
 # rollouts (GRPO; PPO later) carries it and reports LOGPROB_MISMATCH.
@@ -114,7 +115,8 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, epsilon
 
 
 def token_logprobs(model, batch, *, chunk_size: int = 512, dropout_key=None,
-                   vocab_limit: int | None = None, with_values: bool = False):
+                   vocab_limit: int | None = None, temperature: float = 1.0,
+                   with_values: bool = False):
   """[B, T] float32 log p(targets[t] | inputs[:t+1]) under `model`, for a batch already in the
   model's sequence layout (`model.sequence_layout`). Padding positions hold garbage that the
   loss mask removes.
@@ -123,15 +125,19 @@ def token_logprobs(model, batch, *, chunk_size: int = 512, dropout_key=None,
   vocabulary that the rollouts draw from. Over a padded vocabulary instead, training could move
   probability onto ids no rollout ever draws, which lowers every sampled token's log-prob
   without changing what is sampled: the KL estimates and the importance ratios would then
-  reward it. `with_values`: (log-probs, the value head's values [B, T]) from the same pass
-  (PPO)."""
+  reward it. `temperature`: the softmax of logits / temperature, the distribution the rollouts
+  were drawn from (grpo.temperature; objectives.grpo.GRPO.policy_logprobs passes it), so the
+  ratio and the policy gradient are of the policy that sampled. `with_values`: (log-probs, the
+  value head's values [B, T]) from the same pass (PPO)."""
+  if not temperature > 0:  # greedy decoding (0) has no distribution to train
+    raise ValueError(f"temperature={temperature}: log-probs need a temperature > 0")
   kwargs = {} if dropout_key is None else {"dropout_key": dropout_key}  # LoRA dropout
   if batch.get(ROUTING) is not None:  # the rollout's experts, replayed (ROUTING above)
     kwargs["routing_LBTK"] = jnp.moveaxis(batch[ROUTING], 2, 0)
   x_BTD = model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"], **kwargs)
   w, vocab_axis = model.head()
   logprobs_BT = -token_cross_entropy(x_BTD, w, batch["targets"], chunk_size, vocab_axis,
-                                     vocab_limit)
+                                     vocab_limit, temperature)
   return (logprobs_BT, model.values(x_BTD)) if with_values else logprobs_BT
 
 

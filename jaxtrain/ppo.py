@@ -13,9 +13,11 @@ head's estimate at position t, i.e. of the state before that action.
   policy   ρ_t = exp(log π(a_t) − log π_old(a_t)),  L_π = −min(ρ_t Â_t, clip(ρ_t, 1 ± ε) Â_t)
   value    V^clip_t = V_old_t + clip(V_t − V_old_t, ±ε_v),  L_V = ½ · max((V_t − G_t)², (V^clip_t − G_t)²)
 
-with Â the advantages whitened over the rollout batch's action tokens. Each sequence's loss is
-the masked token mean of L_π + c_v · L_V, and the batch's the mean over sequences (the same
-sequence weighting as GRPO, jaxtrain.grpo).
+with Â the advantages whitened over the rollout batch's action tokens, and every log π the
+softmax of the logits / grpo.temperature, the distribution the rollouts were drawn from
+(objectives.grpo.GRPO.policy_logprobs). Each sequence's loss is the masked token mean of
+L_π + c_v · L_V, and the batch's the mean over sequences (the same sequence weighting as GRPO,
+jaxtrain.grpo).
 """
 
 from __future__ import annotations

@@ -46,18 +46,17 @@ class PPORollouts(Rollouts):
   def _jit_prepare(self):
     setup, chunk = self.setup, self.loss_chunk_size
     graphdef, gamma, lam, kl_coef = setup.graphdef, self.gamma, self.lam, self.kl_coef
-    vocab_limit = self.objective.vocab_limit
+    # Every log-prob at grpo.temperature over the tokenizer's ids: the distribution sampled from.
+    logprobs_of = self.objective.policy_logprobs
 
     def prepare(params, frozen, batch, sampler_BT, rewards_B):
       # Layout order: PPO runs without a context axis (its config check), so it is the rows'.
       policy = merge_model(graphdef, params, frozen)
-      old_BT, values_BT = grpo_lib.token_logprobs(policy, batch, chunk_size=chunk,
-                                                  vocab_limit=vocab_limit, with_values=True)
+      old_BT, values_BT = logprobs_of(policy, batch, chunk_size=chunk, with_values=True)
       mask_BT = batch["loss_mask"]
       if kl_coef:
         reference = reference_model(graphdef, params, frozen)
-        ref_BT = grpo_lib.token_logprobs(reference, grpo_lib.without_routing(batch),
-                                         chunk_size=chunk, vocab_limit=vocab_limit)
+        ref_BT = logprobs_of(reference, grpo_lib.without_routing(batch), chunk_size=chunk)
       else:
         ref_BT = old_BT
       rewards_BT = ppo_lib.token_rewards(rewards_B, old_BT, ref_BT, mask_BT, kl_coef)

@@ -133,9 +133,10 @@ class Rollouts(Feeder):
     self.seq_len, self.seed = int(config.train.seq_len), int(config.train.seed)
     self.loss_chunk_size = int(config.train.loss_chunk_size)
     self.tokenizer = tokenizer_for(config.data.tokenizer)
-    # Only ids the tokenizer can decode are drawn (the model's vocabulary may be padded past it).
+    # Only ids the tokenizer can decode are drawn (the model's vocabulary may be padded past it);
+    # at the objective's temperature, the one its log-probs are taken at (policy_logprobs).
     self.sampling = generate_lib.SamplingConfig(
-        max_new_tokens=int(g.max_new_tokens), temperature=float(g.temperature),
+        max_new_tokens=int(g.max_new_tokens), temperature=objective.temperature,
         top_p=float(g.top_p), eos_id=self.tokenizer.eos_id,
         vocab_size=int(self.tokenizer.vocab_size))
     self.greedy = dataclasses.replace(self.sampling, temperature=0.0, top_p=1.0)
@@ -190,8 +191,8 @@ class Rollouts(Feeder):
     def old_logprobs(params, frozen, batch):
       # Layout order: GRPO runs without a context axis (its config check), so it is the rows'.
       model = merge_model(graphdef, params, frozen)
-      return grpo_lib.token_logprobs(model, batch, chunk_size=chunk,
-                                     vocab_limit=self.objective.vocab_limit)
+      # The distribution the rollouts drew from (grpo.temperature), as the loss's.
+      return self.objective.policy_logprobs(model, batch, chunk_size=chunk)
     return jax.jit(old_logprobs, in_shardings=(setup.shardings.params, setup.frozen_shardings,
                                                self.objective.row_shardings(setup.mesh)),
                    out_shardings=batch_sharding(setup.mesh))

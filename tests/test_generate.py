@@ -160,9 +160,9 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
 
 
 def test_sampler_logprobs_are_the_models_log_softmax_of_the_drawn_tokens():
-  """with_logprobs: each drawn token's log-prob under the policy at temperature 1, the softmax
-  over the ids `vocab_size` allows (not the tempered or truncated distribution it was drawn
-  from), as the whole-sequence forward computes it; 0 after EOS."""
+  """with_logprobs: each drawn token's log-prob under the tempered distribution it was drawn
+  from, the softmax of logits / temperature over the ids `vocab_size` allows (before the top-p
+  cut), as the whole-sequence forward computes it; 0 after EOS."""
   model = _model()
   prompt_BP = jnp.asarray([[1, 5, 9, 2, 7], [3, 0, 0, 0, 0]], jnp.int32)
   lengths_B = jnp.asarray([5, 1], jnp.int32)
@@ -175,7 +175,8 @@ def test_sampler_logprobs_are_the_models_log_softmax_of_the_drawn_tokens():
   for b in range(2):
     ids = np.concatenate([np.asarray(prompt_BP[b, :int(lengths_B[b])]), tokens_BN[b]])
     logits = model(jnp.asarray(ids)[None])[0].astype(jnp.float32)
-    want = jax.nn.log_softmax(logits[:, :50], axis=-1)[np.arange(len(ids) - 1), ids[1:]]
+    want = jax.nn.log_softmax(logits[:, :50] / sampling.temperature,
+                              axis=-1)[np.arange(len(ids) - 1), ids[1:]]
     p = int(lengths_B[b])
     np.testing.assert_allclose(logprobs_BN[b], np.asarray(want)[p - 1:], rtol=1e-5, atol=1e-5)
   # After EOS a row's log-probs are 0 (the same draws: the same key).

@@ -11,6 +11,10 @@ Every batch also carries the sampler's log-probs of its completion tokens
 (grpo_lib.SAMPLER_LOGPROBS), and each step reports `logprob_mismatch`: the largest gap between
 them and the trainer's log-probs of the same tokens before the update (the loss's own with one
 iteration, the old log-probs with several).
+
+Every log-prob, the sampler's and the trainer's (the policy's, the old and the reference's), is
+of the distribution the rollouts are drawn from: the softmax of the logits / grpo.temperature
+over the tokenizer's ids, before top-p's cut (GRPO.policy_logprobs).
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ class GRPO(Objective):
     self.settings = settings
     # The tokenizer's vocabulary: the policy's softmax is over it (grpo_lib.token_logprobs).
     self.vocab_limit = vocab_limit
+    # The rollouts' sampling temperature: every log-prob the trainer takes is at it
+    # (policy_logprobs), as the sampler's are (generate.sampled_logprobs).
+    self.temperature = float(settings.temperature)
     self.num_generations = int(settings.num_generations)
     self.num_iterations = int(settings.num_iterations)
     self.epsilon, self.beta = float(settings.epsilon), float(settings.beta)
@@ -115,6 +122,19 @@ class GRPO(Objective):
                         f"{config.moe.num_experts}: routing replay is for a Mixture-of-Experts "
                         f"policy (it replays each token's experts); leave it False for a dense "
                         f"model")
+
+  def policy_logprobs(self, model, rows, *, chunk_size: int, **kwargs):
+    """grpo_lib.token_logprobs (kwargs: dropout_key, with_values) under the distribution the
+    rollouts were drawn from: softmax(logits / grpo.temperature) over the tokenizer's ids, as
+    TRL and verl take it. Every trainer log-prob goes through here (GRPO's and PPO's policy,
+    old and reference log-probs), so the ratio's two sides, the policy gradient and the KL
+    term are all of that one tempered family; the reference is tempered alike, so beta's KL
+    compares the two models' distributions at the temperature they are sampled at. Top-p's
+    cut is not modelled (generate.sampled_logprobs says why): the sampler records the same
+    tempered, untruncated log-probs."""
+    return grpo_lib.token_logprobs(model, rows, chunk_size=chunk_size,
+                                   vocab_limit=self.vocab_limit, temperature=self.temperature,
+                                   **kwargs)
 
   def row_shardings(self, mesh) -> dict:
     """{key: sharding} of the per-token arrays of a row the policy's passes read (row_keys):
@@ -202,23 +222,21 @@ class GRPO(Objective):
     # pylint: disable-next=import-outside-toplevel
     from jaxtrain.train_step import merge_model, router_terms
     epsilon, beta, reuse = self.epsilon, self.beta, self.num_iterations > 1
-    vocab_limit = self.vocab_limit
+    logprobs_of = self.policy_logprobs
 
     def reference_logprobs(params, frozen, batch):
       if not beta:
         return None
       reference = reference_model(graphdef, params, frozen)
       rows = grpo_lib.in_layout(reference, grpo_lib.without_routing(batch))
-      return jax.lax.stop_gradient(
-          grpo_lib.token_logprobs(reference, rows, chunk_size=loss_chunk_size,
-                                  vocab_limit=vocab_limit))
+      return jax.lax.stop_gradient(logprobs_of(reference, rows, chunk_size=loss_chunk_size))
 
     def sums(params, frozen, batch, ref_logprobs_BT, dropout_key):
       policy = merge_model(graphdef, params, frozen)
       rows = grpo_lib.in_layout(policy, batch)
       with moe.collect_router_stats() as router_passes:  # the policy's pass (an MoE model)
-        logprobs_BT = grpo_lib.token_logprobs(policy, rows, chunk_size=loss_chunk_size,
-                                              dropout_key=dropout_key, vocab_limit=vocab_limit)
+        logprobs_BT = logprobs_of(policy, rows, chunk_size=loss_chunk_size,
+                                  dropout_key=dropout_key)
       # One update per batch of rollouts: the sampling policy is this one (ratio 1, gradient
       # of the ratio = gradient of the log-probs).
       old_BT = rows[grpo_lib.OLD_LOGPROBS] if reuse else jax.lax.stop_gradient(logprobs_BT)

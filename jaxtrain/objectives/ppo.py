@@ -120,16 +120,15 @@ class PPO(GRPO):
     from jaxtrain.train_step import merge_model, router_terms
     p = self.ppo
     epsilon, value_clip, vf_coef = float(p.epsilon), float(p.value_clip), float(p.vf_coef)
-    vocab_limit = self.vocab_limit
+    logprobs_of = self.policy_logprobs  # at grpo.temperature, like the rollouts' old log-probs
 
     def sums(params, frozen, batch, constants, dropout_key):
       del constants
       policy = merge_model(graphdef, params, frozen)
       rows = grpo_lib.in_layout(policy, batch)
       with moe.collect_router_stats() as router_passes:
-        logprobs_BT, values_BT = grpo_lib.token_logprobs(
-            policy, rows, chunk_size=loss_chunk_size, dropout_key=dropout_key,
-            vocab_limit=vocab_limit, with_values=True)
+        logprobs_BT, values_BT = logprobs_of(policy, rows, chunk_size=loss_chunk_size,
+                                             dropout_key=dropout_key, with_values=True)
       loss_sum, count, metrics = ppo_lib.ppo_sums(
           logprobs_BT, values_BT, rows["old_logprobs"], rows["old_values"],
           rows["advantages"], rows["returns"], rows["loss_mask"], epsilon=epsilon,
