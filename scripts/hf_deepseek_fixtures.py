@@ -6,6 +6,7 @@ the logits of transformers' own prediction layer (modeling_layers.MtpLayer)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -22,7 +23,7 @@ from hf_family_fixtures import COMMON, sensitivity
 from hf_moe_fixtures import moe_blocks
 
 
-def _changes(yarn: bool) -> dict:
+def _changes(yarn: bool, mscale: float = 0.707, mscale_all_dim: float = 0.707) -> dict:
   """Wiring errors an import of DeepSeek-V3 could make."""
   def bias_ignored(m):
     for block in moe_blocks(m):
@@ -61,21 +62,53 @@ def _changes(yarn: bool) -> dict:
       for layer in m.model.layers:
         layer.self_attn.scaling = layer.self_attn.qk_head_dim ** -0.5
     changes["the softmax scale without mscale_all_dim"] = mscale_all_dim_ignored
+  if yarn and mscale != mscale_all_dim:
+    # Only here does YaRN's factor on the rotated query and key, mscale(factor, mscale) /
+    # mscale(factor, mscale_all_dim), differ from 1 (equal mscales cancel it).
+    def attention_factor_dropped(m):
+      m.model.rotary_emb.attention_scaling = 1.0
+
+    def mscale_all_dim_read_as_mscale(m):
+      factor = m.config.rope_parameters["factor"]
+      m.model.rotary_emb.attention_scaling = 1.0
+      for layer in m.model.layers:
+        attn = layer.self_attn
+        attn.scaling = attn.qk_head_dim ** -0.5 * _yarn_mscale(factor, mscale) ** 2
+
+    def mscales_swapped(m):
+      factor = m.config.rope_parameters["factor"]
+      m.model.rotary_emb.attention_scaling = (_yarn_mscale(factor, mscale_all_dim)
+                                              / _yarn_mscale(factor, mscale))
+      for layer in m.model.layers:
+        attn = layer.self_attn
+        attn.scaling = attn.qk_head_dim ** -0.5 * _yarn_mscale(factor, mscale) ** 2
+
+    changes.update({
+        "the rotated query and key without mscale / mscale_all_dim": attention_factor_dropped,
+        "mscale_all_dim read as mscale": mscale_all_dim_read_as_mscale,
+        "mscale and mscale_all_dim swapped": mscales_swapped})
   return changes
 
 
-def _model(seed: int, yarn: bool):
-  """3 layers (the first dense), 8 routed experts in 4 groups (top 3 within the best 2), one
-  shared expert; with `yarn`, YaRN RoPE (factor 4 over 16 original positions, mscale and
-  mscale_all_dim 0.707) and no query bottleneck (q_lora_rank null). Returns (model, covers)."""
+def _yarn_mscale(factor: float, mscale: float) -> float:
+  """transformers' YaRN get_mscale: 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _model(seed: int, yarn: bool, mscale: float = 0.707, mscale_all_dim: float = 0.707,
+           num_layers: int = 3):
+  """`num_layers` layers (the first dense), 8 routed experts in 4 groups (top 3 within the best
+  2), one shared expert; with `yarn`, YaRN RoPE (factor 4 over 16 original positions, mscale and
+  mscale_all_dim 0.707 unless given) and no query bottleneck (q_lora_rank null). Returns (model,
+  covers)."""
   rope = {"rope_type": "default", "rope_theta": 1e4}
   if yarn:
     # beta_fast/slow narrow enough that some RoPE dims keep, some interpolate, some ramp.
     rope = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
             "original_max_position_embeddings": 16, "beta_fast": 1.0, "beta_slow": 0.05,
-            "mscale": 0.707, "mscale_all_dim": 0.707}
+            "mscale": mscale, "mscale_all_dim": mscale_all_dim}
   config = DeepseekV3Config(
-      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4,
       q_lora_rank=None if yarn else 16, kv_lora_rank=12, qk_rope_head_dim=8,
       qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3,
       n_group=4, topk_group=2, moe_intermediate_size=16, n_shared_experts=1,
@@ -84,9 +117,9 @@ def _model(seed: int, yarn: bool):
   model = random_hf_model(seed, DeepseekV3ForCausalLM, config)
   _random_correction_biases(moe_blocks(model), seed)
   kinds = ["moe" if hasattr(layer.mlp, "gate") else "dense" for layer in model.model.layers]
-  covers = ("DeepseekV3ForCausalLM: 3 layers (" + ", ".join(kinds) + "), latent attention "
-            f"(q_lora_rank {config.q_lora_rank}, kv_lora_rank 12, qk_nope 16 + qk_rope 8, "
-            "v_head_dim 12, interleaved RoPE), 8 routed experts (sigmoid, correction bias "
+  covers = (f"DeepseekV3ForCausalLM: {num_layers} layers (" + ", ".join(kinds) + "), latent "
+            f"attention (q_lora_rank {config.q_lora_rank}, kv_lora_rank 12, qk_nope 16 + "
+            "qk_rope 8, v_head_dim 12, interleaved RoPE), 8 routed experts (sigmoid, correction bias "
             "~N(0, 0.3), 4 groups of which 2, top 3, scaled 2.5) + 1 shared, RoPE "
             + (f"yarn {rope}" if yarn else "default 1e4"))
   return model, kinds, covers
@@ -102,10 +135,12 @@ def _random_correction_biases(blocks, seed: int) -> None:
           0.3 * torch.randn(block.gate.e_score_correction_bias.shape, generator=gen))
 
 
-def deepseek_v3_case(name: str, seed: int, yarn: bool):
-  model, kinds, covers = _model(seed, yarn)
+def deepseek_v3_case(name: str, seed: int, yarn: bool, **model_kwargs):
+  """`model_kwargs`: _model's mscale, mscale_all_dim, num_layers."""
+  model, kinds, covers = _model(seed, yarn, **model_kwargs)
+  mscales = {k: v for k, v in model_kwargs.items() if k.startswith("mscale")}
   info = {"seed": seed, "family": "deepseek_v3", "layer_kinds": kinds, "covers": covers,
-          "wiring_sensitivity": sensitivity(model, ids_40(), _changes(yarn))}
+          "wiring_sensitivity": sensitivity(model, ids_40(), _changes(yarn, **mscales))}
   write_case(name, model, ids_40(), info, verify=True)
 
 

@@ -413,6 +413,11 @@ CASES: dict[str, Callable[[], None]] = {
     "hf_deepseek_v3_yarn": lambda: deepseek.deepseek_v3_case("hf_deepseek_v3_yarn", 24,
                                                              yarn=True),
     "hf_deepseek_v3_mtp": lambda: deepseek.deepseek_v3_mtp_case("hf_deepseek_v3_mtp", 25),
+    # YaRN with mscale != mscale_all_dim: the rotated query and key scaled by
+    # mscale(4, 1.0) / mscale(4, 0.707), the softmax by mscale(4, 0.707)**2; 2 layers.
+    "hf_deepseek_v3_yarn_mscales": lambda: deepseek.deepseek_v3_case(
+        "hf_deepseek_v3_yarn_mscales", 26, yarn=True, mscale=1.0, mscale_all_dim=0.707,
+        num_layers=2),
     **REWARD_CASES,
 }
 

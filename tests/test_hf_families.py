@@ -30,7 +30,11 @@ CASES = ("hf_qwen3_tied", "hf_qwen3_untied", "hf_qwen2_untied", "hf_qwen2_tied",
          "hf_mistral_window", "hf_mistral_tied", "hf_gemma3_text", "hf_gemma3_text_legacy",
          "hf_gemma3_multimodal", "hf_mixtral", "hf_qwen3_moe_dense_first",
          "hf_qwen3_moe_every_other", "hf_deepseek_v3", "hf_deepseek_v3_yarn",
-         "hf_deepseek_v3_mtp")
+         "hf_deepseek_v3_mtp",
+         # YaRN with mscale 1.0 != mscale_all_dim 0.707 (40 positions over 16 original ones):
+         # the rotated query and key scaled by their ratio, which hf_deepseek_v3_yarn's equal
+         # mscales cancel (fixture_info.json: what a wrong ratio or scale moves).
+         "hf_deepseek_v3_yarn_mscales")
 GEMMA3_TEXT = os.path.join(FIXTURES, "hf_gemma3_text")
 MULTIMODAL = os.path.join(FIXTURES, "hf_gemma3_multimodal")
 # Written by save_pretrained but not read by the model (or only by other readers).

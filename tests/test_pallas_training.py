@@ -27,7 +27,9 @@ def test_pallas_steps_match_xla_on_a_sharded_mesh():
   pallas = _curves("pallas", (2, 2, 2))
   np.testing.assert_allclose(pallas["loss"], xla["loss"], rtol=2e-5)
   np.testing.assert_allclose(pallas["grad_norm"], xla["grad_norm"], rtol=1e-5)
-  assert xla["loss"][-1] < xla["loss"][0]  # the steps trained
+  # (No "the steps trained" here: each step's batch is another random one, so a last loss below
+  # the first holds at learning_rate=0 as well. That small_config's train steps fit their
+  # batches is test_parallel.py's test_train_steps_match_across_meshes; this is the kernels'.)
 
 
 def test_pallas_on_cpu_needs_interpret():

@@ -2,7 +2,8 @@
 given, the rollouts record every token's experts in every layer at the positions a training row
 has them, the replayed forward pass of a row equals the free one when nothing differs, and in
 bfloat16, where the decode loop and the training pass round differently, replay shrinks the
-gap between the sampler's and the trainer's log-probs."""
+gap between the sampler's and the trainer's log-probs; and in GRPO and PPO runs whose sampler
+routes every token elsewhere than the trainer's router would, replay alone closes it."""
 
 import json
 import os
@@ -149,15 +150,52 @@ def _mismatch(workdir):
     return [r["logprob_mismatch"] for r in map(json.loads, f) if "logprob_mismatch" in r]
 
 
+@pytest.fixture
+def sampler_routes_elsewhere(monkeypatch):
+  """The rollouts' sampler sends every token of every layer to other experts than its router's
+  top k: each one further, mod the expert count (still k distinct experts, weighted by the
+  router's own probabilities for them). The training pass's router keeps choosing its top k, so
+  it routes every token differently from the sampler unless it replays the sampler's record.
+  Patched at trace time: `moe.route` forces the shifted experts while generate's
+  sample_continuations (traced inside the rollouts' jit) runs. Returns {"shifted": how many
+  router calls were traced shifted}."""
+  traced = {"sampling": False, "shifted": 0}
+  sample, route = generate.sample_continuations, moe.route
+
+  def sampling(*args, **kwargs):
+    traced["sampling"] = True
+    try:
+      return sample(*args, **kwargs)
+    finally:
+      traced["sampling"] = False
+
+  def shifted_route(logits_NX, routing, bias_X=None, forced_NK=None):
+    if traced["sampling"]:
+      assert forced_NK is None  # the sampler never replays
+      _, _, experts_NK = route(logits_NX, routing, bias_X)
+      forced_NK = (experts_NK + 1) % routing.num_experts
+      traced["shifted"] += 1
+    return route(logits_NX, routing, bias_X, forced_NK)
+
+  monkeypatch.setattr(generate, "sample_continuations", sampling)
+  monkeypatch.setattr(moe, "route", shifted_route)
+  return traced
+
+
 @pytest.mark.slow(seconds=20)
-def test_grpo_and_ppo_train_an_moe_policy_on_replayed_routing(tmp_path):
+def test_grpo_and_ppo_train_an_moe_policy_on_replayed_routing(tmp_path, sampler_routes_elsewhere):
   """Both objectives' paths: GRPO with two updates per batch of rollouts (the old log-probs'
-  pass replays too) and PPO (its old log-probs and values, and each minibatch's pass)."""
+  pass replays too) and PPO (its old log-probs and values, and each minibatch's pass). The
+  sampler routes every token elsewhere than the trainer's router would (sampler_routes_elsewhere),
+  so only replay brings the trainer's log-probs to the sampler's, to float32 round-off: with
+  grpo.replay_routing=False the same runs log mismatches of 0.04-0.06."""
   for name, extra in (("grpo", ["--config.grpo.num_generations=4",
                                 "--config.grpo.num_iterations=2"]),
                       ("ppo", ["--config.ppo.epochs=2", "--config.ppo.minibatches=2"])):
     workdir = tmp_path / name
+    before = sampler_routes_elsewhere["shifted"]
     proc = run_cli(f"--config=configs/{name}_tiny.py", *MOE_SMALL, *extra, f"--workdir={workdir}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sampler_routes_elsewhere["shifted"] > before  # the sampler's routers were shifted
     found = _mismatch(workdir)
     assert len(found) == 4 and max(found) < 1e-4, found  # float32: round-off
