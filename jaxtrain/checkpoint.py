@@ -17,29 +17,26 @@ uploaded step by step, a marker last (jaxtrain/checkpoint_mirror.py).
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import shutil
 import time
-from collections.abc import Mapping
 from typing import Any
 
-from absl import logging as absl_logging
 from etils import epath
 import jax
 from jax.experimental import multihost_utils
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxtrain import checkpoint_mirror, storage
+from jaxtrain.checkpoint_verdicts import (CheckpointCorrupted, CheckpointRestoreError,  # noqa: F401
+                                          PeerFailed, Verdict, agree, classify, describe)
 from jaxtrain.config import ConfigError
 # DataShardsSave too: tests and tools import the data item's handler and arguments from here.
+from jaxtrain.checkpoint_weights import shape_mismatches
 from jaxtrain.checkpoint_data import (DataShardsHandler, DataShardsRestore,  # noqa: F401
                                       DataShardsSave)
 from jaxtrain.data.global_stream import GlobalBatchStream
 from jaxtrain.data.shards import ShardedIterator
-from jaxtrain.models.variables import HEAD_NAMES
 
 class Checkpointer:
   """Saves every `every_steps` steps (asynchronously: the loop continues while files are
@@ -47,13 +44,16 @@ class Checkpointer:
 
   def __init__(self, directory: str, *, every_steps: int, max_to_keep: int | None = 3,
                keep_period: int | None = None, async_save: bool = True,
-               before_upload=None):
-    """`before_upload`: called on the upload thread after each save is started and before the
-    checkpoint counts as complete on a bucket (the run directory's push of its metrics, so a
-    bucket never holds a checkpoint newer than its metrics)."""
+               before_upload=None, on_unreadable: str = "stop"):
+    """`on_unreadable`: what restore_latest does when no step can be read ("stop" or
+    "restart"; checkpoint.on_unreadable). `before_upload`: called on the upload thread after
+    each save is started and before the checkpoint counts as complete on a bucket (the run
+    directory's push of its metrics, so a bucket never holds a checkpoint newer than its
+    metrics)."""
     self.directory = directory.rstrip("/") if storage.is_url(directory) else os.path.abspath(
         directory)
     self.every_steps = every_steps
+    self.on_unreadable = on_unreadable
     self.mirror = None
     local = self.directory
     if checkpoint_mirror.needs_mirror(self.directory):
@@ -74,12 +74,14 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, keep_period=keep_period,
         enable_async_checkpointing=async_save, create=True)
-    # Handlers named up front so metadata (shapes) can be read before restoring.
-    self.manager = ocp.CheckpointManager(
-        local, options=options, item_names=("state", "data", "meta"),
-        item_handlers={"state": ocp.StandardCheckpointHandler(),
-                       "data": DataShardsHandler(),
-                       "meta": ocp.JsonCheckpointHandler()})
+    self.manager = _manager(local, options)
+    # Restores go through a read-only manager of this process alone: Orbax's restore has
+    # barriers of every process, and one process that fails inside it would leave the others
+    # waiting there forever; without them, the processes meet only where they agree on the
+    # verdict (restore_latest). Each process reads its own shards either way.
+    self._reader = _manager(local, ocp.CheckpointManagerOptions(
+        read_only=True, create=False, multiprocessing_options=ocp.options.MultiprocessingOptions(
+            primary_host=jax.process_index(), active_processes={jax.process_index()})))
 
   def latest_step(self) -> int | None:
     self._uploader.join()
@@ -113,13 +115,13 @@ class Checkpointer:
   def restore(self, step: int, abstract_state: Any, data_iterator) -> tuple[Any, dict]:
     """(state on the abstract state's shardings, meta); the data iterator is restored in
     place. Shapes that differ from the model config fail with the mismatched parameters named."""
-    mismatches = shape_mismatches(self.manager.item_metadata(step)["state"], abstract_state)
+    mismatches = shape_mismatches(self._reader.item_metadata(step)["state"], abstract_state)
     if mismatches:
       shown = [m for m in mismatches if m.startswith("params/")] or mismatches
       raise ConfigError(f"checkpoint {self.directory}/{step} does not match this model config: "
                         f"{'; '.join(shown[:6])}{' ...' if len(shown) > 6 else ''}; use the "
                         f"config it was saved with, or another --workdir")
-    restored = self.manager.restore(step, args=ocp.args.Composite(
+    restored = self._reader.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state),
         data=DataShardsRestore(_as_sharded(data_iterator)),
         meta=ocp.args.JsonRestore()))
@@ -128,50 +130,123 @@ class Checkpointer:
   def restore_latest(self, abstract_state: Any, data_iterator) -> tuple[Any, int | None]:
     """(state, step) of the newest checkpoint that restores; (None, None) when there is none.
 
-    A newest checkpoint with missing or truncated files is named in a warning and the one
-    before it is used. A checkpoint of another model (shape mismatch) is an error instead:
-    falling back would silently train from the wrong weights.
+    Only a recognised corruption (jaxtrain/checkpoint_verdicts.py) makes a step unreadable: it is
+    named in a warning and the one before it is tried; the unreadable steps are set aside once an
+    older one has restored (so that this run can save those steps again). Any other error stops
+    the run (CheckpointRestoreError) naming the step, with nothing renamed; a storage error that
+    looks transient is retried once first. When no step can be read the run stops too, listing
+    them, unless `on_unreadable="restart"`: then they are set aside and the run starts from
+    step 0. A checkpoint of another model (shape mismatch) is a ConfigError: falling back would
+    silently train from the wrong weights. Every process reaches the same verdict before anything
+    is renamed.
     """
     self._uploader.join()
     steps = self.mirror.complete_steps() if self.mirror else self.manager.all_steps()
+    unreadable: list[tuple[int, str]] = []
     for step in sorted(steps, reverse=True):
-      if self.mirror:
-        self._fetch(step)
-      try:
-        state, _ = self.restore(step, abstract_state, data_iterator)
+      state, verdict, error = self._restore_agreed(step, abstract_state, data_iterator)
+      if verdict == Verdict.OK:
+        for bad, why in unreadable:
+          self._set_aside(bad, why)
         return state, step
-      except ConfigError:
-        raise
-      except Exception as e:  # pylint: disable=broad-except
-        self._set_aside(step, e)
-    return None, None
+      if verdict != Verdict.CORRUPT:
+        raise CheckpointRestoreError(_stop_message(self._where(step), verdict, error))
+      print(f"warning: checkpoint {self._where(step)} is incomplete or corrupted "
+            f"({describe(error)}); trying the one before it", flush=True)
+      unreadable.append((step, describe(error)))
+    if not unreadable:
+      return None, None
+    listed = "; ".join(f"step {s}: {why}" for s, why in unreadable)
+    if self.on_unreadable == "restart":
+      for bad, why in unreadable:
+        self._set_aside(bad, why)
+      print(f"warning: no checkpoint in {self.directory} can be read ({listed}); starting from "
+            f"step 0 as checkpoint.on_unreadable=restart says", flush=True)
+      return None, None
+    raise CheckpointRestoreError(
+        f"no checkpoint in {self.directory} can be read ({listed}); nothing was set aside and "
+        f"the run did not start over: restore the files, remove those steps, or set "
+        f"checkpoint.on_unreadable=restart to set them aside and train from step 0")
+
+  def _restore_agreed(self, step: int, abstract_state: Any,
+                      data_iterator) -> tuple[Any, Verdict, BaseException | None]:
+    """(state or None, the run's verdict, this process's error) for one step. The step is
+    fetched (s3://) and checked for its items first, and the processes agree on that before
+    any of them enters Orbax's restore, whose reads are collective; then on the restore itself.
+    A transient verdict is retried once."""
+    for attempt in range(2):
+      state, error = None, None
+      try:
+        if self.mirror:
+          self._fetch(step)
+        self._check_items(step)
+      except Exception as e:  # pylint: disable=broad-except  # classified, then agreed
+        error = e
+      verdict = agree(classify(error) if error else Verdict.OK)
+      if verdict == Verdict.OK:
+        try:
+          state, _ = self.restore(step, abstract_state, data_iterator)
+        except ConfigError:
+          raise  # another model's checkpoint: every process reads the same metadata
+        except Exception as e:  # pylint: disable=broad-except
+          error = e
+        verdict = agree(classify(error) if error else Verdict.OK)
+      if verdict != Verdict.TRANSIENT or attempt:
+        return state, verdict, error
+      print(f"warning: reading checkpoint {self._where(step)} failed ({describe(error)}); "
+            f"retrying in {RETRY_DELAY_S:g} s", flush=True)
+      time.sleep(RETRY_DELAY_S)
+    raise AssertionError("unreachable")
+
+  def _where(self, step: int) -> str:
+    return f"{self.directory}/{step}"
+
+  def _check_items(self, step: int) -> None:
+    """Raises CheckpointCorrupted when the step lacks one of its items, or the state's metadata
+    (Orbax would take a state with no metadata for a checkpoint of another model)."""
+    step_dir = epath.Path(self.manager.directory) / str(step)
+    missing = [name for name in ITEMS if not (step_dir / name).is_dir()]
+    if missing:
+      raise CheckpointCorrupted(f"{', '.join(missing)} missing from {step_dir}")
+    if self._reader.item_metadata(step)["state"] is None:
+      raise CheckpointCorrupted(f"the state's metadata (_METADATA) is missing from {step_dir}")
 
   def _fetch(self, step: int) -> None:
-    """The bucket's `step` into the staging directory (by process 0; the others wait)."""
+    """The bucket's `step` into the staging directory, by process 0; the others take its
+    verdict (a failed download fails the step on every process) and see the files after."""
+    error = None
     if jax.process_index() == 0:
-      self.mirror.download(step)
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices(f"jaxtrain checkpoint {step} downloaded")
+      try:
+        self.mirror.download(step)
+      except Exception as e:  # pylint: disable=broad-except  # classified by the caller's agree
+        error = e
+    verdict = agree(classify(error) if error else Verdict.OK)
+    if verdict != Verdict.OK:
+      raise error or PeerFailed(verdict)
     self.manager.reload()
+    self._reader.reload()
 
-  def _set_aside(self, step: int, e: Exception) -> None:
+  def _set_aside(self, step: int, why: str) -> None:
     """Takes an unreadable step out of the manager's way (this run saves that step again), kept
-    for inspection: renamed locally or on gs://; on s3://, its marker is renamed."""
-    where = f"{self.directory}/{step}"
+    for inspection: renamed locally or on gs://; on s3://, its marker is renamed. Process 0
+    renames, after every process has agreed the step is unreadable; the others wait for it."""
+    where = self._where(step)
     if self.mirror:
       aside = f"{where}/{checkpoint_mirror.COMMIT_MARKER}.corrupted"
     else:
       aside = f"{where}.corrupted-{int(time.time())}"
-    print(f"warning: checkpoint {where} is incomplete or corrupted ({type(e).__name__}: "
-          f"{_first_line(e)}); set aside as {aside}, trying the one before it", flush=True)
     if jax.process_index() == 0:
+      print(f"warning: checkpoint {where} set aside as {aside} ({why})", flush=True)
       if self.mirror:
         marker = f"{where}/{checkpoint_mirror.COMMIT_MARKER}"
         storage.write_bytes(aside, b"")
         storage.remove_tree(marker)
       else:
         epath.Path(where).rename(epath.Path(aside))
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"jaxtrain checkpoint {step} set aside")
     self.manager.reload()
+    self._reader.reload()
 
   def wait(self) -> None:
     """Until the last save is committed (and, on s3://, uploaded)."""
@@ -183,6 +258,7 @@ class Checkpointer:
       self.wait()
     finally:
       self.manager.close()
+      self._reader.close()
 
   def close_unused(self) -> None:
     """Closes a checkpointer that saved nothing (the run stopped before its first step), and
@@ -193,6 +269,20 @@ class Checkpointer:
     if created and os.path.isdir(created) and not any(
         files for _, _, files in os.walk(created)):
       shutil.rmtree(created, ignore_errors=True)
+
+
+# A run's checkpoint step: its items.
+ITEMS = ("state", "data", "meta")
+# Before a storage error that looks transient is retried (once).
+RETRY_DELAY_S = 5.0
+
+
+def _manager(directory: str, options) -> ocp.CheckpointManager:
+  # Handlers named up front so metadata (shapes) can be read before restoring.
+  return ocp.CheckpointManager(
+      directory, options=options, item_names=ITEMS,
+      item_handlers={"state": ocp.StandardCheckpointHandler(), "data": DataShardsHandler(),
+                     "meta": ocp.JsonCheckpointHandler()})
 
 
 def _first_missing(path: str) -> str | None:
@@ -213,175 +303,6 @@ def _as_sharded(data_iterator) -> ShardedIterator | GlobalBatchStream:
   return ShardedIterator({jax.process_index(): data_iterator}, jax.process_count())
 
 
-def save_params(directory: str, params: Any) -> str:
-  """Writes `params` as a weights directory (DIRECTORY/params), the params-only format that
-  `checkpoint.init_from` reads (e.g. a converted Hugging Face model). Returns the params path."""
-  if checkpoint_mirror.needs_mirror(directory):  # written locally, then uploaded
-    staged = storage.staging_path(directory, "save-params")
-    shutil.rmtree(staged, ignore_errors=True)
-    save_params(staged, params)
-    if jax.process_index() == 0:
-      storage.upload_dir(staged, directory)
-    return storage.join(directory, WEIGHTS_ITEM)
-  base = directory if storage.is_url(directory) else os.path.abspath(directory)
-  path = storage.join(base, WEIGHTS_ITEM)
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(path, params)
-    checkpointer.wait_until_finished()
-  return path
-
-
-def load_params(path: str, abstract_params: Any) -> tuple[Any, str]:
-  """(params on the abstract params' shardings, the directory they came from).
-
-  `path` is a weights directory (with params/), a run's checkpoint step directory (with
-  state/: only its params are read, never the optimizer state), a run's checkpoints directory
-  or its workdir (then the latest complete step). Shapes that differ from the model config fail
-  with the mismatched parameters named. Multi-token-prediction modules the weights hold beyond
-  the model's `mtp_depth` (an imported DeepSeek-V3 fine-tuned without them) are not read."""
-  item, subtree = _weights_item(path)
-  checkpointer = ocp.PyTreeCheckpointer()
-  with _quiet_orbax():  # reading one item of a managed checkpoint: its metadata is a level up
-    saved = checkpointer.metadata(item).item_metadata.tree
-  saved = saved[subtree] if subtree else saved
-  saved, left_out = _without_extra_prediction_modules(saved, abstract_params)
-  saved, abstract_read, new_heads = _new_heads(saved, abstract_params)
-  mismatches = shape_mismatches(saved, abstract_read)
-  if mismatches:
-    raise ConfigError(f"checkpoint.init_from={path!r}: the weights in {item} do not match this "
-                      f"model config: {'; '.join(mismatches[:6])}"
-                      f"{' ...' if len(mismatches) > 6 else ''}")
-  target = {subtree: abstract_read} if subtree else abstract_read
-  with _quiet_orbax():
-    restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=bool(subtree) or left_out or new_heads))
-  restored = restored[subtree] if subtree else restored
-  if new_heads:  # the read params in the model's tree, and the new heads' zeros
-    read = {_path_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(restored)}
-
-    def fill(p, spec):
-      name = _path_name(p)
-      if name in read:
-        return read[name]
-      return jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=spec.sharding)()
-    restored = jax.tree_util.tree_map_with_path(fill, abstract_params)
-  return restored, item
-
-
-def _new_heads(saved: dict, abstract_params):
-  """(saved tree, params to read, whether heads start new): a reward model's score head or
-  PPO's value head that the weights (a language model's) do not hold starts at zero; a reward
-  model reads everything but the vocabulary head it does not have."""
-  if not isinstance(saved, Mapping) or not isinstance(abstract_params, Mapping):
-    return saved, abstract_params, False
-  new = [k for k in NEW_HEADS if k in abstract_params and k not in saved]
-  if not new:
-    return saved, abstract_params, False
-  saved = {k: v for k, v in saved.items() if k != "head_DV" or k in abstract_params}
-  read = type(abstract_params)({k: v for k, v in abstract_params.items() if k not in new})
-  return saved, read, True
-
-
-def _without_extra_prediction_modules(saved: dict, abstract_params) -> tuple[dict, bool]:
-  """(the saved tree without the prediction modules the model has no place for, whether any
-  were left out): Decoder.mtp[k] is saved as mtp/k."""
-  modules = saved.get("mtp") if isinstance(saved, dict) else None
-  if not modules:
-    return saved, False
-  try:
-    depth = len(abstract_params["mtp"])
-  except (KeyError, TypeError):  # no prediction modules in the model
-    depth = 0
-  kept = {k: v for k, v in modules.items() if int(k) < depth}
-  if len(kept) == len(modules):
-    return saved, False
-  trimmed = {k: v for k, v in saved.items() if k != "mtp"}
-  if kept:
-    trimmed["mtp"] = kept
-  return trimmed, True
-
-
-@contextlib.contextmanager
-def _quiet_orbax():
-  """Orbax warns that a step's metadata file is missing when one item of a CheckpointManager
-  step is read on its own (the file sits in the step directory); the read is still complete."""
-  previous = absl_logging.get_verbosity()
-  absl_logging.set_verbosity(absl_logging.ERROR)
-  try:
-    yield
-  finally:
-    absl_logging.set_verbosity(previous)
-
-
-WEIGHTS_ITEM = "params"
-# Heads a model can have that a language model's weights lack: they start at zero.
-NEW_HEADS = HEAD_NAMES
-
-
-def saved_config(path: str) -> dict | None:
-  """The resolved config (a dict) a run saved with the checkpoint that `load_params(path)` reads,
-  or None for a weights directory (its config is the user's, e.g. its config.py)."""
-  item, subtree = _weights_item(path)
-  meta = storage.join(storage.parent(item), "meta", "metadata")
-  if not subtree or not storage.exists(meta):
-    return None
-  return json.loads(storage.read_bytes(meta))["config"]
-
-
-def _weights_item(path: str) -> tuple[str, str | None]:
-  """(Orbax item directory, key of the params subtree in it or None) for an init_from path.
-
-  On s3:// the item's directory is downloaded into the staging directory (once per process) and
-  the local copy returned; gs:// is read by Orbax directly."""
-  if not storage.is_url(path):
-    path = os.path.abspath(path)
-  if storage.isdir(storage.join(path, WEIGHTS_ITEM)):
-    item, subtree = storage.join(path, WEIGHTS_ITEM), None
-  elif storage.isdir(storage.join(path, "state")):
-    item, subtree = storage.join(path, "state"), "params"
-  else:
-    for directory in (path, storage.join(path, "checkpoints")):
-      steps = [int(n) for n in storage.listdir(directory) if n.isdigit() and
-               _complete_step(storage.join(directory, n))]
-      if steps:
-        item, subtree = storage.join(directory, str(max(steps)), "state"), "params"
-        break
-    else:
-      raise ConfigError(f"checkpoint.init_from={path!r}: holds neither params/ (converted "
-                        f"weights) nor a run's checkpoint (<step>/state); give a checkpoint step "
-                        f"directory, a run's workdir, or a directory written by "
-                        f"checkpoint.save_params")
-  if checkpoint_mirror.needs_mirror(item):
-    item = _staged_copy(item)
-  return item, subtree
-
-
-def _complete_step(step_dir: str) -> bool:
-  """A step directory that holds a whole checkpoint: locally Orbax's rename made it whole; on a
-  bucket the step's commit marker (Orbax's on gs://, the uploader's on s3://) says so."""
-  if not storage.isdir(storage.join(step_dir, "state")):
-    return False
-  return (not storage.is_url(step_dir)
-          or storage.exists(storage.join(step_dir, checkpoint_mirror.COMMIT_MARKER)))
-
-
-_STAGED: dict[str, str] = {}
-
-
-def _staged_copy(item_url: str) -> str:
-  """A local copy of an Orbax item on s3:// (with its step's or weights directory's other files:
-  meta/, config.py), made once per process in a directory of its own, so processes that share a
-  host never write one copy together."""
-  if item_url not in _STAGED:
-    parent = storage.parent(item_url)
-    local = storage.staging_path(parent, f"read-by-process-{jax.process_index()}")
-    shutil.rmtree(local, ignore_errors=True)
-    storage.download_dir(parent, local)
-    _STAGED[item_url] = os.path.join(local, os.path.basename(item_url))
-  return _STAGED[item_url]
-
-
 def abstract_like(state_shapes: Any, shardings: Any) -> Any:
   """ShapeDtypeStructs carrying the target shardings: restore lands directly in them, on any
   mesh."""
@@ -389,22 +310,12 @@ def abstract_like(state_shapes: Any, shardings: Any) -> Any:
                       state_shapes, shardings)
 
 
-def _path_name(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
-def shape_mismatches(saved_tree: Any, abstract_state: Any) -> list[str]:
-  """'path: checkpoint (shape) vs model (shape)' for every leaf that differs or is missing."""
-  def shapes(tree):
-    return {_path_name(p): tuple(leaf.shape)
-            for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-  saved, wanted = shapes(saved_tree), shapes(abstract_state)
-  out = [f"{k}: checkpoint {saved[k]} vs model {wanted[k]}"
-         for k in sorted(wanted) if k in saved and saved[k] != wanted[k]]
-  out += [f"{k}: not in the checkpoint" for k in sorted(set(wanted) - set(saved))]
-  out += [f"{k}: not in the model" for k in sorted(set(saved) - set(wanted))]
-  return out
-
-
-def _first_line(e: Exception) -> str:
-  return str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+def _stop_message(where: str, verdict: Verdict, error: BaseException | None) -> str:
+  """The one line a run stops with when a step cannot be restored for a reason other than
+  corruption."""
+  what = describe(error)
+  if verdict == Verdict.TRANSIENT:
+    return (f"checkpoint {where} could not be read, twice ({what}); nothing was set aside: the "
+            f"storage looks unreachable, run the same command again once it is")
+  return (f"checkpoint {where} could not be restored ({what}); nothing was set aside (the error "
+          f"does not say the checkpoint is damaged): fix the cause and run the same command again")

@@ -14,8 +14,16 @@ once that step is committed there, a background thread uploads it:
 A step without the marker is never restored and never counted (a SIGKILL during the upload
 leaves the previous step the newest), and the bucket's older steps are deleted, by the run's
 retention rule (max_to_keep, keep_every), only after a newer step's marker is written: the last
-good checkpoint is never removed before the new one is complete. Restoring downloads the newest
-complete step into the staging directory and restores from there.
+good checkpoint is never removed before the new one is complete, and a step is deleted marker
+first. Restoring downloads the newest complete step into the staging directory and restores from
+there.
+
+Readers of a live run (export, generation, init_from; gs:// and local runs too) take its newest
+complete step (newest_step) and look for its marker again once they have read it. A deleted
+step loses its marker first, so a marker still there means the step was read whole; a marker
+gone means the run's retention removed the step meanwhile, and the then newest complete step is
+read instead, once (read_newest_step). (On gs:// Orbax deletes a step itself, in its own order:
+there a read that fails with the marker gone is retried.)
 
 On several processes, every process writes its shards into the staging directory as Orbax
 expects of any checkpoint directory, so there the staging directory (JAXTRAIN_STAGING_DIR) must
@@ -83,7 +91,7 @@ class CheckpointMirror:
     if not os.path.isdir(local_step):
       raise RuntimeError(f"checkpoint step {step} is not in the staging directory {self.local} "
                          f"after its save finished")
-    storage.remove_tree(self.step_url(step))  # a cut-short upload's leftovers
+    self.remove_step(step)  # a cut-short upload's leftovers
     # Orbax writes a marker of the same name in the staging copy: it must not go up first.
     storage.upload_dir(local_step, self.step_url(step), exclude=(COMMIT_MARKER,))
     storage.write_bytes(f"{self.step_url(step)}/{COMMIT_MARKER}", b"")
@@ -97,12 +105,125 @@ class CheckpointMirror:
     keep = steps_to_keep(complete, self.max_to_keep, self.keep_period)
     for step in self.listed_steps():
       if step < newest and step not in keep:
-        storage.remove_tree(self.step_url(step))
+        self.remove_step(step)
+
+  def remove_step(self, step: int) -> None:
+    """Deletes a step from the bucket, its marker first: a reader (an export, a generation, an
+    init_from of this live run) that still finds the marker after reading the step has read it
+    whole (read_newest_step)."""
+    storage.remove_tree(self.step_url(step), first=(COMMIT_MARKER,))
 
   def download(self, step: int) -> None:
     """Replaces the staging directory's steps with the bucket's `step`."""
     clear_local_steps(self.local)
     storage.download_dir(self.step_url(step), os.path.join(self.local, str(step)))
+
+
+def step_is_complete(step_dir: str, marked: bool | None = None) -> bool:
+  """Whether a step directory holds a whole checkpoint: its state/ and, when `marked` (None: on a
+  bucket), the commit marker (Orbax's on gs://, the uploader's on s3://). Locally Orbax's
+  rename made any step directory whole."""
+  if marked is None:
+    marked = storage.is_url(step_dir)
+  if marked:
+    marker = storage.join(step_dir, COMMIT_MARKER)
+    # Asked of the store itself: a listing cached in this process may predate a deletion.
+    if not (storage.object_version(marker) is not None if storage.is_url(marker)
+            else os.path.exists(marker)):
+      return False
+  return storage.isdir(storage.join(step_dir, "state"))
+
+
+def newest_step(directory: str, names: list[str] | None = None) -> tuple[str, bool] | None:
+  """(path relative to `directory` of its run's newest complete step, whether that step holds the
+  commit marker), or None. The run's steps are under `directory` or `directory`/checkpoints (the
+  first that has a complete one: a workdir or its checkpoints directory). Complete: a step with
+  the marker, else, where no step there has one (steps on local disk, or copied from it: Orbax's
+  rename marks a local step whole), the newest with state/. `names`: the listing of `directory`,
+  when the caller has it. The one rule of export, generation and init_from."""
+  names = storage.listdir(directory) if names is None else names
+  for prefix in ("", "checkpoints/"):
+    listed = names if not prefix else (
+        storage.listdir(storage.join(directory, "checkpoints")) if "checkpoints" in names else [])
+    steps = sorted((int(n) for n in listed if n.isdigit()), reverse=True)
+    for step in steps:
+      if storage.exists(storage.join(directory, f"{prefix}{step}", COMMIT_MARKER)):
+        return f"{prefix}{step}", True
+    for step in steps:
+      if storage.isdir(storage.join(directory, f"{prefix}{step}", "state")):
+        return f"{prefix}{step}", False
+  return None
+
+
+def read_newest_step(directory: str, read, *, names: list[str] | None = None, discard=None):
+  """(the step read, relative to `directory`; read(it)) for `directory`'s newest complete step
+  (newest_step), or (None, None) when it has none. `read(step)` downloads (or reads) it.
+
+  A live run's retention may delete that step while it is read: the read then fails, or ends
+  with the step's marker gone (the marker is deleted first: CheckpointMirror.remove_step). Then
+  `discard(step)` drops what was read, a note says so, and the then newest complete step is read
+  instead, once. A step still complete after a failed read failed for another reason, which is
+  raised. On several processes (an init_from) process 0 names the step, and the processes agree
+  on whether it was removed, so that all of them read the same one."""
+  found = _agreed(newest_step(directory, names))
+  for attempt in range(2):
+    if found is None:
+      return None, None
+    step, marked = found
+    try:
+      result, error = read(step), None
+    except Exception as e:  # pylint: disable=broad-except  # re-raised unless the step is gone
+      result, error = None, e
+    removed = not step_is_complete(storage.join(directory, step), marked)
+    removed, failed_elsewhere = _agreed_outcome(removed, error is not None)
+    if not removed:
+      if error is not None:
+        raise error
+      if failed_elsewhere:
+        raise storage.StorageError(f"{storage.join(directory, step)}: another process of this run "
+                                   f"could not read it (its error is in that process's output)")
+      return step, result
+    if discard is not None:
+      discard(step)
+    newer = _agreed(newest_step(directory))
+    if attempt or newer is None or newer[0] == step:
+      if error is not None:
+        raise error
+      raise storage.StorageError(f"{storage.join(directory, step)}: the step was removed while "
+                                 f"it was read, and no newer complete step is there")
+    if jax.process_index() == 0:
+      print(f"note: step {_number(step)} of {directory} was removed while it was read (the "
+            f"run's retention); reading step {_number(newer[0])} instead", flush=True)
+    found = newer
+  raise AssertionError("unreachable")
+
+
+def _number(step: str) -> str:
+  return step.rsplit("/", 1)[-1]
+
+
+def _agreed(found: tuple[str, bool] | None) -> tuple[str, bool] | None:
+  """Process 0's newest_step on every process (one process: `found`): a live run may complete a
+  step between two processes' listings."""
+  if jax.process_count() == 1:
+    return found
+  if found is None:
+    code = np.array([-1, 0, 0], np.int64)
+  else:
+    code = np.array([int(_number(found[0])), found[0].startswith("checkpoints/"), found[1]],
+                    np.int64)
+  step, under, marked = (int(x) for x in multihost_utils.broadcast_one_to_all(code))
+  return None if step < 0 else (f"{'checkpoints/' if under else ''}{step}", bool(marked))
+
+
+def _agreed_outcome(removed: bool, failed: bool) -> tuple[bool, bool]:
+  """(whether any process found the step removed, whether another process's read failed)."""
+  if jax.process_count() == 1:
+    return removed, False
+  seen = np.asarray(multihost_utils.process_allgather(np.array([removed, failed], np.int32)))
+  seen = seen.reshape(-1, 2)
+  others = np.delete(seen, jax.process_index(), axis=0)
+  return bool(seen[:, 0].any()), bool(others[:, 1].any())
 
 
 def clear_local_steps(local: str) -> None:

@@ -399,6 +399,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.checkpoint.keep_every = 0  # also keep every M-th step for good (0: none)
   c.checkpoint.directory = ""  # default WORKDIR/checkpoints; a local path, gs:// or s3://
   c.checkpoint.async_save = True
+  # When no checkpoint in the directory can be read (every step missing files, truncated or
+  # failing its checksums): "stop" (the run exits, listing them, and renames nothing) or
+  # "restart" (they are set aside and the run trains from step 0). Errors that do not mean a
+  # damaged checkpoint (out of memory, permissions, a bug) always stop the run.
+  c.checkpoint.on_unreadable = "stop"
   # Initialize the params (only) from another run's checkpoint (a step directory, its
   # checkpoints/ directory or its workdir: the latest step) or from converted weights (a
   # directory with params/, e.g. from `python -m jaxtrain.interop.hf import`). The optimizer

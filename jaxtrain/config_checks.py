@@ -324,6 +324,9 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
   for key in ("every_steps", "max_to_keep", "keep_every"):
     if config.checkpoint[key] < 0:
       raise ConfigError(f"checkpoint.{key}={config.checkpoint[key]}: must be >= 0")
+  if config.checkpoint.on_unreadable not in ("stop", "restart"):
+    raise ConfigError(f"checkpoint.on_unreadable={config.checkpoint.on_unreadable!r}: must be "
+                      f"'stop' or 'restart'")
   init_from = config.checkpoint.init_from
   if init_from and "://" not in init_from and not os.path.isdir(init_from):
     raise ConfigError(f"checkpoint.init_from={init_from!r}: no such directory; give a run's "

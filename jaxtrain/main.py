@@ -111,6 +111,7 @@ def main(argv):
   from jaxtrain.data.sources import DataError  # pylint: disable=import-outside-toplevel
   from jaxtrain.rewards import RewardError  # pylint: disable=import-outside-toplevel
   from jaxtrain.preflight import DoesNotFitError  # pylint: disable=import-outside-toplevel
+  from jaxtrain.checkpoint_verdicts import CheckpointRestoreError  # pylint: disable=import-outside-toplevel
   workdir = _WORKDIR.value or _default_workdir()
   start = time.perf_counter()
   try:
@@ -145,6 +146,9 @@ def main(argv):
     distributed.exit_with_error("training stopped", str(e), 1)
   except RewardError as e:
     distributed.exit_with_error("reward error", str(e), 1)
+  except CheckpointRestoreError as e:
+    # Every process agreed on the verdict (jaxtrain/checkpoint_verdicts.py): they stop together.
+    distributed.exit_with_error("checkpoint error", str(e), 1, peers_fail_too=True)
   except Exception as e:  # pylint: disable=broad-except
     if not distributed.whereabouts():
       raise  # one process: the usual traceback and exit code

@@ -256,6 +256,11 @@ def _float_or_none(value: Any) -> Optional[float]:
     return None
 
 
+# How long, and how large, one TensorBoard event file grows before the next is started.
+TENSORBOARD_ROTATE_S = 300.0
+TENSORBOARD_ROTATE_BYTES = 4 * 2**20
+
+
 class MetricsWriter:
   """Writes training/eval metrics to metrics.jsonl, TensorBoard, W&B and a console progress line.
 
@@ -268,22 +273,30 @@ class MetricsWriter:
   `wandb` (a jaxtrain.wandb_logger.WandbLogger, or None) gets every scalar TensorBoard gets, with
   the same name and step, and is closed with the writer.
 
+  TensorBoard's event file is closed and a new one started every `tensorboard_rotate_s` seconds
+  or `tensorboard_rotate_bytes` bytes, whichever comes first (TensorBoard reads every event file
+  of the directory, in the order of their names): a bucket workdir uploads each closed file once
+  (jaxtrain/run_directory.py), where an object store can only rewrite a growing one whole.
+
   In a multi-host run create it on process 0 only.
   """
 
   _TRAIN_KEYS = ("loss", "learning_rate", "grad_norm", "tokens_per_sec", "mfu")
 
   def __init__(self, workdir: str, *, tensorboard: bool = True, total_steps: Optional[int] = None,
-               print_fn=None, wandb=None):
+               print_fn=None, wandb=None, tensorboard_rotate_s: float = TENSORBOARD_ROTATE_S,
+               tensorboard_rotate_bytes: int = TENSORBOARD_ROTATE_BYTES):
     self.workdir = os.fspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     self.total_steps = total_steps
     self._print = print_fn or functools.partial(print, flush=True)
     self._jsonl = open(os.path.join(self.workdir, "metrics.jsonl"), "a", encoding="utf-8")
     self._tb = None
+    self._tb_dir = os.path.join(self.workdir, "tensorboard")
+    self._tb_rotate = (tensorboard_rotate_s, tensorboard_rotate_bytes)
+    self._tb_files = 0  # event files this writer opened
     if tensorboard:
-      from tensorboardX import SummaryWriter  # Local import: optional for jsonl-only users.
-      self._tb = SummaryWriter(logdir=os.path.join(self.workdir, "tensorboard"))
+      self._open_event_file()
     self._wandb = wandb
     # (wall time, step) at the first write_train call. The rate for the ETA is measured from
     # there, so the first logged interval -- which contains compilation -- never enters it.
@@ -304,8 +317,30 @@ class MetricsWriter:
       for name, value in values.items():
         self._tb.add_scalar(name, value, global_step=step)
       self._tb.flush()
+      self._rotate_event_file()
     if self._wandb is not None:
       self._wandb.log(step, values)
+
+  def _open_event_file(self):
+    from tensorboardX import SummaryWriter  # Local import: optional for jsonl-only users.
+    before = set(os.listdir(self._tb_dir)) if os.path.isdir(self._tb_dir) else set()
+    # The file's name holds the second it was opened; the suffix keeps two files opened in one
+    # second apart, in order.
+    self._tb = SummaryWriter(logdir=self._tb_dir, filename_suffix=(
+        f".{self._tb_files:05d}" if self._tb_files else ""))
+    self._tb_files += 1
+    opened = sorted(set(os.listdir(self._tb_dir)) - before)
+    self._tb_path = os.path.join(self._tb_dir, opened[-1]) if opened else None
+    self._tb_opened = time.monotonic()
+
+  def _rotate_event_file(self):
+    """A new event file once this one is `tensorboard_rotate_s` old or `..._bytes` large."""
+    seconds, size = self._tb_rotate
+    if (time.monotonic() - self._tb_opened >= seconds or
+        (self._tb_path and os.path.exists(self._tb_path) and
+         os.path.getsize(self._tb_path) >= size)):
+      self._tb.close()  # every event queued so far is in the file once this returns
+      self._open_event_file()
 
   def write_train(self, step: int, metrics: Mapping[str, Any]):
     """Logs one training step: jsonl record, `train/<key>` scalars, console line."""

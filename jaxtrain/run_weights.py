@@ -17,7 +17,7 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxtrain import checkpoint as ckpt_lib
+from jaxtrain import checkpoint_weights as ckpt_lib
 from jaxtrain.config import ConfigError, load_config_file
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import abstract_model, init_params_fn

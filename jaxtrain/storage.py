@@ -11,11 +11,13 @@ does not exist, no credentials, an object that is not there.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import posixpath
 import shutil
 import tempfile
+import time
 
 from jaxtrain.data.sources.common import DataError
 
@@ -225,17 +227,93 @@ def write_bytes(path: str, data: bytes) -> None:
   _call(path, lambda fs, p: fs.pipe_file(p, data))
 
 
-def remove_tree(path: str) -> None:
-  """Deletes `path` and everything under it; nothing when it does not exist."""
+def remove_tree(path: str, *, first: tuple[str, ...] = ()) -> None:
+  """Deletes `path` and everything under it; nothing when it does not exist. The files named in
+  `first` (paths relative to `path`: a checkpoint step's commit marker) are deleted before the
+  rest, so a reader that finds them still there finds everything else too."""
   if not is_url(path):
+    for name in first:
+      with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        os.remove(os.path.join(path, name))
     shutil.rmtree(path, ignore_errors=True)
     return
 
   def remove(fs, p):
     files = fs.find(p)
-    if files:
-      fs.rm(files)
+    base = p.rstrip("/")
+    lead = [f for f in files if posixpath.relpath(f, base) in first]
+    for group in (lead, [f for f in files if f not in lead]):
+      if group:  # the first group's deletes are answered before the second's start
+        fs.rm(group)
   _call(path, remove)
+
+
+# S3's smallest part of a multipart upload but the last one: an object smaller than this cannot
+# be the copied first part of an append.
+S3_MIN_PART = 5 * 2**20
+
+
+def append_bytes(path: str, data: bytes, *, size: int) -> bool:
+  """Appends `data` to the object at `path`, which holds `size` bytes, on the server side where
+  the store can, sending only `data`; readers see the old object or the new one, never a part.
+  On s3:// an object of at least S3_MIN_PART bytes: a multipart upload whose first part is
+  copied from the object itself and whose second is `data`. On gs://: `data` as an object of
+  its own, composed after the object into it. False, with nothing changed, where it cannot (a
+  smaller object on s3://, another size than `size`, a gs:// object composed of the most parts
+  GCS allows): the caller then writes the whole object. A local file is appended to."""
+  if not data:
+    return True
+  if not is_url(path):
+    with open(path, "ab") as f:
+      f.write(data)
+    return True
+  if path.startswith("gs://"):
+    return bool(_call(path, lambda fs, p: _compose(fs, p, data, size)))
+  if not path.startswith("s3://") or size < S3_MIN_PART:
+    return False
+
+  def append(fs, p):
+    fs.invalidate_cache(p)
+    if int(fs.info(p).get("size") or -1) != size:
+      return False
+    bucket, key, _ = fs.split_path(p)
+    upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+    where = dict(Bucket=bucket, Key=key, UploadId=upload)
+    try:
+      copied = fs.call_s3("upload_part_copy", **where, PartNumber=1,
+                          CopySource={"Bucket": bucket, "Key": key},
+                          CopySourceRange=f"bytes=0-{size - 1}")
+      sent = fs.call_s3("upload_part", **where, PartNumber=2, Body=data)
+      fs.call_s3("complete_multipart_upload", **where, MultipartUpload={"Parts": [
+          {"PartNumber": 1, "ETag": copied["CopyPartResult"]["ETag"]},
+          {"PartNumber": 2, "ETag": sent["ETag"]}]})
+    except BaseException:
+      with contextlib.suppress(Exception):
+        fs.call_s3("abort_multipart_upload", **where)
+      raise
+    finally:
+      fs.invalidate_cache(p)
+    return True
+  return bool(_call(path, append))
+
+
+def _compose(fs, p: str, data: bytes, size: int) -> bool:
+  """append_bytes on gs://. A composed object counts its parts, at most 1024: past that (or
+  wherever else the compose is refused) the caller's whole write starts again from one."""
+  fs.invalidate_cache(p)
+  if int(fs.info(p).get("size") or -1) != size:
+    return False
+  part = f"{p}.append-{os.getpid()}-{time.time_ns()}"
+  fs.pipe_file(part, data)
+  try:
+    fs.merge(p, [p, part])
+  except Exception:  # pylint: disable=broad-except  # the caller writes the object whole
+    return False
+  finally:
+    with contextlib.suppress(Exception):
+      fs.rm(part)
+    fs.invalidate_cache(p)
+  return True
 
 
 def local_files(local_dir: str, exclude: tuple[str, ...]) -> list[str]:

@@ -21,7 +21,8 @@ from jax.sharding import Mesh
 from jaxtrain.data import shards as data_shards
 from jaxtrain.data.sources import DataError
 from jaxtrain.feeders import evaluate, to_global_batch  # re-exported for callers of the loop
-from jaxtrain.checkpoint import Checkpointer, abstract_like, load_params
+from jaxtrain.checkpoint import Checkpointer, abstract_like
+from jaxtrain.checkpoint_weights import load_params
 from jaxtrain import host_memory
 from jaxtrain import storage
 from jaxtrain import metrics as metrics_lib
@@ -319,7 +320,7 @@ def _checkpointer(config, workdir: str, before_upload=None) -> Checkpointer | No
   return Checkpointer(c.directory or storage.join(workdir, "checkpoints"),
                       every_steps=c.every_steps, max_to_keep=c.max_to_keep or None,
                       keep_period=c.keep_every or None, async_save=c.async_save,
-                      before_upload=before_upload)
+                      before_upload=before_upload, on_unreadable=c.on_unreadable)
 
 
 def _restore_or_init(setup: Setup, ckpt: Checkpointer | None, train_iter, seed: int,

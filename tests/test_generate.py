@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxtrain import train_setup
-from jaxtrain.checkpoint import save_params
+from jaxtrain.checkpoint_weights import save_params
 from jaxtrain.config import load_config_file
 from jaxtrain.data.tokenizer import load_tokenizer
 from jaxtrain import generate as generate_lib

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import checkpoint as ckpt_lib
+from jaxtrain import checkpoint_weights
 from jaxtrain import objectives, reward, reward_models, run_weights
 from jaxtrain.config import ConfigError
 from jaxtrain.data import formats
@@ -63,7 +63,7 @@ def test_a_completion_is_scored_on_the_reward_models_own_training_row(reward_tin
   records = _records()
   chosen = [r["chosen"] for r in records]
   ids_BL, mask_BL = scorer.rows(records, chosen, np.ones(len(records), bool))
-  config = ml_collections.ConfigDict(ckpt_lib.saved_config(str(reward_tiny_workdir)))
+  config = ml_collections.ConfigDict(checkpoint_weights.saved_config(str(reward_tiny_workdir)))
   tokenizer = tokenizer_for(config.data.tokenizer)
   for i, record in enumerate(records):
     row = pair_rows(formats.record_features(tokenizer, record, "preference"), 33)
@@ -119,7 +119,7 @@ def test_grpo_with_a_reward_model_and_a_function_logs_both_sources(reward_tiny_w
   # The dry run counts the reward model's weights: exact bytes, in the total.
   config = shipped_config("grpo_tiny", **{"grpo.reward_models": str(reward_tiny_workdir)})
   resident = objectives.get(config).resident_bytes(config, mesh_of((1, 1, 1)))
-  rm_config = ml_collections.ConfigDict(ckpt_lib.saved_config(str(reward_tiny_workdir)))
+  rm_config = ml_collections.ConfigDict(checkpoint_weights.saved_config(str(reward_tiny_workdir)))
   from jaxtrain.models import cost  # pylint: disable=import-outside-toplevel
   from jaxtrain.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
   assert resident == 4 * cost.param_count(ModelConfig.from_config(rm_config).arch)

@@ -87,10 +87,10 @@ def test_cli_import_keeps_or_drops_the_prediction_layer(tmp_path, capsys):
     assert f"c.model.mtp_depth = {depth}" in (tmp_path / name / "config.py").read_text()
   assert "--config.model.mtp_depth=0" in capsys.readouterr().out
   # A run without the prediction module can start from the weights that keep it.
-  from jaxtrain import checkpoint  # pylint: disable=import-outside-toplevel
+  from jaxtrain import checkpoint_weights  # pylint: disable=import-outside-toplevel
   config = load_config_file(str(tmp_path / "kept" / "config.py"))
   for depth in (1, 0):
     config.model.mtp_depth = depth
     _, abstract, _ = abstract_model(ModelConfig.from_config(config), hf.default_mesh())
-    params, _ = checkpoint.load_params(str(tmp_path / "kept"), abstract)
+    params, _ = checkpoint_weights.load_params(str(tmp_path / "kept"), abstract)
     assert ("mtp" in params) == bool(depth)

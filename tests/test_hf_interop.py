@@ -24,7 +24,7 @@ from flax import nnx
 
 from jaxtrain import config as config_lib
 from jaxtrain import config_checks
-from jaxtrain.checkpoint import load_params
+from jaxtrain.checkpoint_weights import load_params
 from jaxtrain.interop import hf, hf_config, hf_weights
 from jaxtrain.interop.hf_config import HFFormatError
 from jaxtrain.models.config import ModelConfig

@@ -13,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxtrain import checkpoint, storage
+from jaxtrain import checkpoint_mirror, checkpoint_weights, storage
 from jaxtrain import config as config_lib
 from jaxtrain.config import ConfigError
 from jaxtrain.data.tokenizer import load_tokenizer
@@ -57,7 +57,7 @@ def imported(s3, tmp_path_factory):
 
 def _params(directory, config):
   _, abstract_params, _ = abstract_model(ModelConfig.from_config(config), hf.default_mesh())
-  params, _ = checkpoint.load_params(directory, abstract_params)
+  params, _ = checkpoint_weights.load_params(directory, abstract_params)
   return params
 
 
@@ -167,7 +167,7 @@ def test_export_of_a_run_on_a_bucket_reads_its_newest_complete_step(imported, s3
     ckptr.wait_until_finished()
   (step / "meta").mkdir()
   (step / "meta" / "metadata").write_text(json.dumps({"config": config.to_dict()}))
-  (step / hf_storage.COMMIT_MARKER).write_text("")
+  (step / checkpoint_mirror.COMMIT_MARKER).write_text("")
   (run / "checkpoints" / "7" / "state").mkdir(parents=True)
   (run / "checkpoints" / "7" / "state" / "partial").write_text("not orbax")
   (run / "tensorboard").mkdir()

@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxtrain import config as config_lib
 from jaxtrain import config_checks, reward
-from jaxtrain.checkpoint import load_params
+from jaxtrain.checkpoint_weights import load_params
 from jaxtrain.interop import hf, hf_config, hf_export_config
 from jaxtrain.interop.hf_config import HFFormatError
 from jaxtrain.models import registry

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxtrain import train_setup, trainer
-from jaxtrain.checkpoint import save_params
+from jaxtrain.checkpoint_weights import save_params
 from jaxtrain.config import ConfigError
 from jaxtrain.config_checks import validate
 from tests.helpers import mesh_of, small_config

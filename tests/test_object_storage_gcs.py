@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import checkpoint, checkpoint_mirror, data, storage
+from jaxtrain import checkpoint_mirror, checkpoint_weights, data, storage
 from jaxtrain.data import sources
 from jaxtrain.data.prepare import prepare
 from tests.data_helpers import assert_reads_like, make_docs, write_jsonl
@@ -107,9 +107,9 @@ def test_weights_on_a_bucket_are_written_and_read_by_orbax_directly(gs):
   """save_params and load_params on gs:// go through Orbax itself (no staging copy)."""
   params = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  assert checkpoint.save_params(f"{gs}/weights", params) == f"{gs}/weights/params"
+  assert checkpoint_weights.save_params(f"{gs}/weights", params) == f"{gs}/weights/params"
   assert "params" in storage.listdir(f"{gs}/weights")
-  loaded, item = checkpoint.load_params(f"{gs}/weights", abstract)
+  loaded, item = checkpoint_weights.load_params(f"{gs}/weights", abstract)
   assert item == f"{gs}/weights/params"
   assert all(np.array_equal(np.asarray(loaded[k]), params[k]) for k in params)
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import checkpoint, checkpoint_mirror, storage
+from jaxtrain import checkpoint, checkpoint_mirror, checkpoint_weights, storage
 from jaxtrain.data import prepare
 from tests.data_helpers import make_docs, write_jsonl
 from tests.helpers import (REPO, SMALL_TINY_ARGS, main_command, main_env, run_cli, run_generate,
@@ -205,10 +205,10 @@ def test_weights_and_init_from_on_a_bucket(s3, tmp_path):
   params = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   storage.write_bytes(f"{s3}/weights/config.py", b"# written by the test\n")
-  assert checkpoint.save_params(f"{s3}/weights", params) == f"{s3}/weights/params"
-  loaded, _ = checkpoint.load_params(f"{s3}/weights", abstract)
+  assert checkpoint_weights.save_params(f"{s3}/weights", params) == f"{s3}/weights/params"
+  loaded, _ = checkpoint_weights.load_params(f"{s3}/weights", abstract)
   assert all(np.array_equal(np.asarray(loaded[k]), params[k]) for k in params)
-  assert checkpoint.saved_config(f"{s3}/weights") is None
+  assert checkpoint_weights.saved_config(f"{s3}/weights") is None
 
   source = f"{s3}/source"
   _run_on(source, "--config.train.steps=4", "--config.checkpoint.every_steps=4")
@@ -219,7 +219,7 @@ def test_weights_and_init_from_on_a_bucket(s3, tmp_path):
   _, want = run_tiny(tmp_path / "fine_tune_local", "--config.train.steps=2",
                      f"--config.checkpoint.init_from={local / '4'}")
   assert [r["loss"] for r in records if "loss" in r] == [r["loss"] for r in want if "loss" in r]
-  assert checkpoint.saved_config(source)["train"]["steps"] == 4
+  assert checkpoint_weights.saved_config(source)["train"]["steps"] == 4
   # Generation from the run on the bucket: what the downloaded step generates.
   prompt = ["--prompt=The quick", "--max_new_tokens=8", "--temperature=0"]
   from_bucket = run_generate(f"--checkpoint={source}", *prompt)

@@ -198,6 +198,34 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_previous(tmp_path, uninte
 
 
 @pytest.mark.slow
+def test_a_run_whose_checkpoints_are_all_unreadable_stops_unless_told_to_restart(
+    tmp_path, uninterrupted):
+  """Never a silent start from step 0: the run exits 1 naming every step and renames nothing;
+  with checkpoint.on_unreadable=restart it sets them aside and trains from step 0."""
+  _copy_run(uninterrupted, tmp_path)
+  for step in (4, 8, STEPS):
+    for root, _, files in os.walk(tmp_path / "checkpoints" / str(step) / "state"):
+      for name in files:
+        open(os.path.join(root, name), "wb").close()
+  before = sorted(os.listdir(tmp_path / "checkpoints"))
+  proc = run_cli("--config=configs/tiny.py", f"--workdir={tmp_path}", *SMALL, *COMMON)
+  assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+  error = [l for l in proc.stderr.splitlines() if l.startswith("checkpoint error:")]
+  assert len(error) == 1, proc.stderr[-2000:]
+  assert f"no checkpoint in {tmp_path / 'checkpoints'} can be read (step {STEPS}: " in error[0]
+  assert "step 8: " in error[0] and "step 4: " in error[0]
+  assert "checkpoint.on_unreadable=restart" in error[0]
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == before
+  proc, records = run_tiny(tmp_path, *COMMON, "--config.train.steps=2",
+                           "--config.checkpoint.on_unreadable=restart")
+  assert "starting from step 0 as checkpoint.on_unreadable=restart says" in proc.stdout
+  assert "resumed from" not in proc.stdout
+  assert [r["step"] for r in records if "loss" in r][-2:] == [1, 2]
+  assert sum(n.endswith(tuple("0123456789")) and ".corrupted-" in n
+             for n in os.listdir(tmp_path / "checkpoints")) == 3
+
+
+@pytest.mark.slow
 def test_init_from_another_runs_checkpoint(tmp_path, uninterrupted):
   """Params only: the new run starts at step 0 with a fresh optimizer and schedule."""
   first = [r for r in metrics_records(uninterrupted) if "loss" in r]

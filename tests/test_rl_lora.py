@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import checkpoint as ckpt_lib
+from jaxtrain import checkpoint_weights
 from jaxtrain import peft, reward, run_weights
 from jaxtrain.data import formats
 from jaxtrain.data.documents import tokenizer_for
@@ -84,7 +84,7 @@ def test_a_lora_reward_model_learns_and_its_checkpoint_merges_into_a_plain_rewar
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   evals = _records(workdir, "eval_accuracy")
   assert evals[-1]["step"] == 50 and evals[-1]["eval_accuracy"] >= 0.7, evals
-  config = ml_collections.ConfigDict(ckpt_lib.saved_config(str(workdir)))
+  config = ml_collections.ConfigDict(checkpoint_weights.saved_config(str(workdir)))
   model, _ = run_weights.load_plain_model(str(workdir), config, mesh_of((1, 1, 1)))
   assert model.cfg.peft.lora_rank == 0 and model.cfg.arch.score_head
   # The trained head and adapters both made it into the plain model: it ranks the pairs as the
@@ -114,6 +114,6 @@ def test_qlora_reward_and_lora_ppo_train_their_heads(tmp_path):
   assert len(rows) == 8 and all(np.isfinite(r["value_loss"]) for r in rows)
   # The value head starts at zero (new to the base) and learns: the value loss falls.
   assert rows[-1]["value_loss"] < rows[0]["value_loss"]
-  saved = ml_collections.ConfigDict(ckpt_lib.saved_config(str(workdir)))
+  saved = ml_collections.ConfigDict(checkpoint_weights.saved_config(str(workdir)))
   model, _ = run_weights.load_plain_model(str(workdir), saved, mesh_of((1, 1, 1)))
   assert float(jnp.abs(model.value_D1[...]).max()) > 0

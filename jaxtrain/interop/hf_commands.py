@@ -112,7 +112,7 @@ def import_command(hf_dir: str, out: str, dtype: str = "float32",
   values), and the tokenizer files. `mtp_depth`: as load_model's. Either directory may be an
   s3:// or gs:// URL (hf_storage.py). Returns the training command line."""
   # Orbax and grain load only for the CLI; load_model/save_model do not need them.
-  from jaxtrain import checkpoint  # pylint: disable=import-outside-toplevel
+  from jaxtrain import checkpoint_weights as checkpoint  # pylint: disable=import-outside-toplevel
 
   hf_dir, out = (p if storage.is_url(p) else os.path.abspath(p)
                  for p in (_bare(hf_dir), _bare(out)))
@@ -155,7 +155,7 @@ def _bare(path: str) -> str:
 def _import(hf_dir: str, out: str, dtype: str, mtp_depth: int | None) -> dict[str, Any]:
   """Writes OUT/params and the tokenizer files of the local Hugging Face directory `hf_dir`;
   returns the config overrides of the model."""
-  from jaxtrain import checkpoint  # pylint: disable=import-outside-toplevel
+  from jaxtrain import checkpoint_weights as checkpoint  # pylint: disable=import-outside-toplevel
 
   hf = hf_config.read_hf_config(hf_dir)
   overrides = hf_config.overrides_for(hf, hf_dir, dtype)
@@ -210,7 +210,7 @@ def _export(checkpoint: str, config_path: str | None, out: str, dtype: str | Non
   # pylint: disable-next=import-outside-toplevel
   from jaxtrain.run_weights import load_plain_model, plain_run_config
 
-  from jaxtrain.checkpoint import saved_config  # pylint: disable=import-outside-toplevel
+  from jaxtrain.checkpoint_weights import saved_config  # pylint: disable=import-outside-toplevel
   saved = None
   if config_path is None:
     config_path = os.path.join(checkpoint, "config.py")

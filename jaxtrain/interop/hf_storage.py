@@ -13,10 +13,7 @@ import contextlib
 import fnmatch
 import os
 
-from jaxtrain import storage
-# What the checkpoint uploader writes last into a step on s3://, and Orbax into a step on gs://:
-# a step holding it is complete.
-from jaxtrain.checkpoint_mirror import COMMIT_MARKER
+from jaxtrain import checkpoint_mirror, storage
 from jaxtrain.config import ConfigError
 from jaxtrain.interop.hf import TOKENIZER_FILES
 from jaxtrain.interop.hf_config import HFFormatError
@@ -94,7 +91,7 @@ def download_checkpoint(url: str) -> str:
   and returns it: all of a weights directory or a checkpoint step; of a run's workdir or
   checkpoints directory only its newest complete step (and its config.py, if it has one), not
   the rest of the run (other steps, TensorBoard events, metrics)."""
-  from jaxtrain.checkpoint import WEIGHTS_ITEM  # pylint: disable=import-outside-toplevel  # Orbax
+  from jaxtrain.checkpoint_weights import WEIGHTS_ITEM  # pylint: disable=import-outside-toplevel  # Orbax
   check(url, "--checkpoint")
   names = storage.listdir(url)
   scheme, _, rest = url.partition("://")
@@ -103,13 +100,16 @@ def download_checkpoint(url: str) -> str:
     storage.remove_tree(local)
     storage.download_dir(url, local)
     return local
-  step = _newest_step(url, names)
+
+  def download(step):  # the step alone, in place of anything an earlier try left
+    storage.remove_tree(local)
+    storage.download_dir(storage.join(url, step), os.path.join(local, *step.split("/")))
+  # A live run's retention may remove the step while it downloads: then the newest once more.
+  step, _ = checkpoint_mirror.read_newest_step(url, download, names=names)
   if step is None:
     raise HFFormatError(f"--checkpoint={url}: nothing to export: holds neither params/ (a weights "
                         f"directory), state/ (a checkpoint step) nor <step>/state (a run's "
                         f"workdir or checkpoints directory); give one of those")
-  storage.remove_tree(local)
-  storage.download_dir(storage.join(url, step), os.path.join(local, *step.split("/")))
   if "config.py" in names:
     storage.write_bytes(os.path.join(local, "config.py"),
                         storage.read_bytes(storage.join(url, "config.py")))
@@ -117,21 +117,10 @@ def download_checkpoint(url: str) -> str:
 
 
 def _newest_step(url: str, names: list[str]) -> str | None:
-  """The newest step under `url` or `url`/checkpoints (the first that has steps, as
-  checkpoint.load_params looks) that holds the commit marker, else, when no step there holds
-  one (steps copied from local disk, where Orbax's rename marks a step whole), the newest with
-  state/; its path relative to `url`, or None."""
-  for prefix in ("", "checkpoints/"):
-    listed = names if not prefix else (
-        storage.listdir(storage.join(url, "checkpoints")) if "checkpoints" in names else [])
-    steps = sorted((int(n) for n in listed if n.isdigit()), reverse=True)
-    for step in steps:
-      if storage.exists(storage.join(url, f"{prefix}{step}", COMMIT_MARKER)):
-        return f"{prefix}{step}"
-    for step in steps:
-      if "state" in storage.listdir(storage.join(url, f"{prefix}{step}")):
-        return f"{prefix}{step}"
-  return None
+  """The newest complete step of the run at `url` (checkpoint_mirror.newest_step: the rule
+  checkpoint.load_params follows too), relative to `url`, or None."""
+  found = checkpoint_mirror.newest_step(url, names)
+  return found[0] if found else None
 
 
 @contextlib.contextmanager
