@@ -17,9 +17,14 @@ Rows past sum(group_sizes) belong to no group and come out zero. Two routes:
 `auto` picks "ragged" on TPU and "blocked" elsewhere (benchmarks/moe_throughput.py measures the
 CPU side).
 
-`precision="fp8"` (either route): the rows and the stacked weights are each scaled to e4m3 once
-(per tensor, as jaxtrain/fp8.py does for one matmul), every GEMM multiplies FP8 operands, and
-the backward quantizes the output gradient to e5m2; the FP8 copies are what the backward reads.
+`precision="fp8"` (either route): each expert's weight and each group's rows are scaled to e4m3
+on their own (float32 scales, one per group: [G] for the weights, [G] for the rows), every GEMM
+multiplies FP8 operands, and the backward quantizes the output gradient to e5m2, again one
+scale per group; the FP8 copies are what the backward reads. A scale per group rather than per
+tensor (jaxtrain/fp8.py's for one matmul): one expert with large weights or activations would
+otherwise push the others' values into e4m3's subnormals. Both routes quantize a group's rows
+alike (the blocked layout's padding rows are zeros, which change no amax). The scales multiply
+the float32 block products (blocked) or the rows of the x-dtype product (ragged), in float32.
 The ragged route's weight gradient is a ragged dot over the rows (`ragged_dot_general` with the
 contracting dim ragged), one [D, F] block per group.
 """
@@ -74,6 +79,14 @@ def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
+def _row_groups(group_sizes_G, rows: int):
+  """(group_R: each row's group, the last one for rows past the groups' total; in_groups_R)."""
+  ends_G = jnp.cumsum(group_sizes_G)
+  row_R = jnp.arange(rows, dtype=jnp.int32)
+  group_R = jnp.minimum(jnp.searchsorted(ends_G, row_R, side="right"), group_sizes_G.shape[0] - 1)
+  return group_R, row_R < ends_G[-1]
+
+
 def _layout(group_sizes_G, rows: int, block_rows: int):
   """Where each row goes in the blocked layout, and which group each block belongs to.
 
@@ -82,13 +95,11 @@ def _layout(group_sizes_G, rows: int, block_rows: int):
   groups = group_sizes_G.shape[0]
   # sum(ceil(n_g / b)) <= floor(R / b) + G: enough blocks for any sizes summing to <= R.
   num_blocks = rows // block_rows + groups
-  ends_G = jnp.cumsum(group_sizes_G)
-  starts_G = ends_G - group_sizes_G
+  starts_G = jnp.cumsum(group_sizes_G) - group_sizes_G
   padded_G = -(-group_sizes_G // block_rows) * block_rows
   padded_ends_G = jnp.cumsum(padded_G)
   row_R = jnp.arange(rows, dtype=jnp.int32)
-  group_R = jnp.minimum(jnp.searchsorted(ends_G, row_R, side="right"), groups - 1)
-  in_groups_R = row_R < ends_G[-1]
+  group_R, in_groups_R = _row_groups(group_sizes_G, rows)
   padded_rows = num_blocks * block_rows
   dest_R = jnp.where(in_groups_R, padded_ends_G[group_R] - padded_G[group_R] + row_R
                      - starts_G[group_R], padded_rows)
@@ -97,6 +108,36 @@ def _layout(group_sizes_G, rows: int, block_rows: int):
                               groups - 1)
   used = padded_ends_G[-1] // block_rows
   return dest_R, block_group_N, used, padded_rows
+
+
+def _group_scales(amax_K, group_K, groups: int, dtype) -> jax.Array:
+  """float32 [G]: each group's FP8 scale from the amax of its pieces (rows or blocks) and their
+  groups (1 for a group with none)."""
+  amax_G = jax.ops.segment_max(amax_K.astype(jnp.float32), group_K, num_segments=groups,
+                               indices_are_sorted=True)  # rows and blocks come in group order
+  return fp8.scale_from_amax(amax_G, dtype)
+
+
+def _weight_fp8(w_GDF):
+  """(w in e4m3, float32 [G] scales): one scale per expert's weight."""
+  wq_GDF, s_G11 = fp8.quantize(w_GDF, fp8.E4M3, (1, 2))
+  return wq_GDF, s_G11[:, 0, 0]
+
+
+def _blocks_fp8(a_PD, block_group_N, groups: int, dtype):
+  """(a in `dtype`, float32 [G] scales): the blocked layout's rows with one scale per group, the
+  amax over the group's blocks (padding rows are zeros, which change no amax)."""
+  a_NbD = a_PD.reshape(block_group_N.shape[0], -1, a_PD.shape[-1])
+  s_G = _group_scales(jnp.max(jnp.abs(a_NbD), axis=(1, 2)), block_group_N, groups, dtype)
+  return fp8.cast(a_NbD, s_G[block_group_N][:, None, None], dtype).reshape(a_PD.shape), s_G
+
+
+def _rows_fp8(a_RD, group_R, in_groups_R, groups: int, dtype):
+  """(a in `dtype`, float32 [G] scales): sorted rows with one scale per group; rows past the
+  groups (whatever they hold) take no part in any amax."""
+  amax_R = jnp.where(in_groups_R, jnp.max(jnp.abs(a_RD), axis=1), 0)
+  s_G = _group_scales(amax_R, group_R, groups, dtype)
+  return fp8.cast(a_RD, s_G[group_R][:, None], dtype), s_G
 
 
 def _zeros(shape, dtype, *like):
@@ -123,48 +164,50 @@ def _blocked(x_RD, w_GDF, group_sizes_G, block_rows, in_fp8):
 
 
 def _blocked_fwd(x_RD, w_GDF, group_sizes_G, block_rows, in_fp8):
+  groups = w_GDF.shape[0]
   dest_R, block_group_N, used, padded_rows = _layout(group_sizes_G, x_RD.shape[0], block_rows)
   x_PD = _to_blocks(x_RD, dest_R, padded_rows)
-  # Unit scales leave the operands as they are; FP8 scales each to e4m3 (rows past the groups
-  # are zeros, which change no amax).
-  one = jnp.ones((), jnp.float32)
-  (xq_PD, s_x), (wq_GDF, s_w) = ((fp8.quantize(x_PD, fp8.E4M3), fp8.quantize(w_GDF, fp8.E4M3))
-                                 if in_fp8 else ((x_PD, one), (w_GDF, one)))
-  scale = (s_x * s_w).astype(x_RD.dtype)
+  # FP8: each group's rows and each expert's weight scaled to e4m3 on their own.
+  s_x_G = s_w_G = jnp.ones((groups,), jnp.float32)
+  xq_PD, wq_GDF = x_PD, w_GDF
+  if in_fp8:
+    xq_PD, s_x_G = _blocks_fp8(x_PD, block_group_N, groups, fp8.E4M3)
+    wq_GDF, s_w_G = _weight_fp8(w_GDF)
 
   def body(i, y_PF):
+    g = block_group_N[i]
     x_bD = jax.lax.dynamic_slice_in_dim(xq_PD, i * block_rows, block_rows)
-    w_DF = wq_GDF[block_group_N[i]]
-    if in_fp8:  # the product in x's dtype, scaled there (see fp8.py)
-      y_bF = jnp.dot(x_bD, w_DF, preferred_element_type=y_PF.dtype) * scale
-    else:
-      y_bF = jnp.dot(x_bD, w_DF, preferred_element_type=jnp.float32)
+    y_bF = jnp.dot(x_bD, wq_GDF[g], preferred_element_type=jnp.float32)
+    if in_fp8:  # on the float32 block, which is small: the scale stays float32
+      y_bF = y_bF * (s_x_G[g] * s_w_G[g])
     return jax.lax.dynamic_update_slice_in_dim(y_PF, y_bF.astype(y_PF.dtype), i * block_rows, 0)
 
   y_PF = jax.lax.fori_loop(0, used, body,
                            _zeros((padded_rows, w_GDF.shape[-1]), x_RD.dtype, x_PD, w_GDF))
   # Zero-size arrays carry the inputs' dtypes to the backward pass.
   dtypes = (jnp.zeros((0,), x_RD.dtype), jnp.zeros((0,), w_GDF.dtype))
-  return _from_blocks(y_PF, dest_R), (xq_PD, s_x, wq_GDF, s_w, group_sizes_G, dtypes)
+  return _from_blocks(y_PF, dest_R), (xq_PD, s_x_G, wq_GDF, s_w_G, group_sizes_G, dtypes)
 
 
 def _blocked_bwd(block_rows, in_fp8, residuals, dy_RF):
-  xq_PD, s_x, wq_GDF, s_w, group_sizes_G, (x_dtype, w_dtype) = residuals
+  xq_PD, s_x_G, wq_GDF, s_w_G, group_sizes_G, (x_dtype, w_dtype) = residuals
   dest_R, block_group_N, used, padded_rows = _layout(group_sizes_G, dy_RF.shape[0], block_rows)
   dy_PF = _to_blocks(dy_RF, dest_R, padded_rows)
-  s_g = jnp.ones((), jnp.float32)
-  if in_fp8:
-    dy_PF, s_g = fp8.quantize(dy_PF, fp8.E5M2)
+  s_g_G = jnp.ones_like(s_x_G)
+  if in_fp8:  # the output gradient in e5m2, one scale per group
+    dy_PF, s_g_G = _blocks_fp8(dy_PF, block_group_N, wq_GDF.shape[0], fp8.E5M2)
 
   def body(i, carry):
     dx_PD, dw_GDF = carry
     g = block_group_N[i]
     x_bD = jax.lax.dynamic_slice_in_dim(xq_PD, i * block_rows, block_rows)
     dy_bF = jax.lax.dynamic_slice_in_dim(dy_PF, i * block_rows, block_rows)
-    dx_bD = jnp.dot(dy_bF, wq_GDF[g].T, preferred_element_type=jnp.float32) * (s_g * s_w)
+    dx_bD = jnp.dot(dy_bF, wq_GDF[g].T, preferred_element_type=jnp.float32)
+    dw_DF = jnp.dot(x_bD.T, dy_bF, preferred_element_type=jnp.float32)
+    if in_fp8:
+      dx_bD, dw_DF = dx_bD * (s_g_G[g] * s_w_G[g]), dw_DF * (s_x_G[g] * s_g_G[g])
     dx_PD = jax.lax.dynamic_update_slice_in_dim(dx_PD, dx_bD.astype(dx_PD.dtype),
                                                 i * block_rows, 0)
-    dw_DF = jnp.dot(x_bD.T, dy_bF, preferred_element_type=jnp.float32) * (s_x * s_g)
     return dx_PD, dw_GDF.at[g].add(dw_DF)
 
   like = (xq_PD, wq_GDF, dy_PF)
@@ -182,12 +225,16 @@ def _ragged_fp8(x_RD, w_GDF, group_sizes_G):
 
 
 def _ragged_fp8_fwd(x_RD, w_GDF, group_sizes_G):
-  xq_RD, s_x = fp8.quantize(x_RD, fp8.E4M3)
-  wq_GDF, s_w = fp8.quantize(w_GDF, fp8.E4M3)
+  groups = w_GDF.shape[0]
+  group_R, in_groups_R = _row_groups(group_sizes_G, x_RD.shape[0])
+  xq_RD, s_x_G = _rows_fp8(x_RD, group_R, in_groups_R, groups, fp8.E4M3)
+  wq_GDF, s_w_G = _weight_fp8(w_GDF)
+  # The product in x's dtype (see grouped_matmul), each row scaled by its group's scales in
+  # float32.
   y_RF = jax.lax.ragged_dot(xq_RD, wq_GDF, group_sizes_G, preferred_element_type=x_RD.dtype)
   dtypes = (jnp.zeros((0,), x_RD.dtype), jnp.zeros((0,), w_GDF.dtype))
-  return (y_RF * (s_x * s_w).astype(x_RD.dtype),
-          (xq_RD, s_x, wq_GDF, s_w, group_sizes_G, dtypes))
+  return (fp8.rescale(y_RF, (s_x_G * s_w_G)[group_R][:, None], x_RD.dtype),
+          (xq_RD, s_x_G, wq_GDF, s_w_G, group_sizes_G, dtypes))
 
 
 # Rows [R] contracted within each group: dw[g] = x[rows of g]^T dy[rows of g].
@@ -197,12 +244,15 @@ _ROWS_PER_GROUP = jax.lax.RaggedDotDimensionNumbers(
 
 
 def _ragged_fp8_bwd(residuals, dy_RF):
-  xq_RD, s_x, wq_GDF, s_w, group_sizes_G, (x_dtype, w_dtype) = residuals
-  gq_RF, s_g = fp8.quantize(dy_RF, fp8.E5M2)
+  xq_RD, s_x_G, wq_GDF, s_w_G, group_sizes_G, (x_dtype, w_dtype) = residuals
+  group_R, in_groups_R = _row_groups(group_sizes_G, dy_RF.shape[0])
+  gq_RF, s_g_G = _rows_fp8(dy_RF, group_R, in_groups_R, wq_GDF.shape[0], fp8.E5M2)
   dx_RD = jax.lax.ragged_dot(gq_RF, jnp.swapaxes(wq_GDF, 1, 2), group_sizes_G,
-                             preferred_element_type=jnp.float32) * (s_g * s_w)
+                             preferred_element_type=jnp.float32)
+  dx_RD = dx_RD * (s_g_G * s_w_G)[group_R][:, None]
   dw_GDF = jax.lax.ragged_dot_general(xq_RD, gq_RF, group_sizes_G, _ROWS_PER_GROUP,
-                                      preferred_element_type=jnp.float32) * (s_x * s_g)
+                                      preferred_element_type=jnp.float32)
+  dw_GDF = dw_GDF * (s_x_G * s_g_G)[:, None, None]
   return dx_RD.astype(x_dtype.dtype), dw_GDF.astype(w_dtype.dtype), None
 
 
