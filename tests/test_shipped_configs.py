@@ -1,5 +1,7 @@
-"""Every shipped config names its target and fits it as shipped, by that target's own compiler;
-and a run that cannot fit this machine stops before allocating anything."""
+"""Every shipped config names its target; one config of each architecture fits its target as
+shipped, by that target's own compiler (every shipped config's fit is `python -m
+jaxtrain.dryrun.check_configs`, which CI runs after the suite: tests/README.md); and a run that
+cannot fit this machine stops before allocating anything."""
 
 import os
 import re
@@ -7,7 +9,7 @@ import re
 import pytest
 
 from jaxtrain.config import load_config_file
-from jaxtrain.dryrun import measure, targets
+from jaxtrain.dryrun import check_configs, targets
 from jaxtrain.grouped_matmul import resolve_impl
 from tests.helpers import REPO, run_main
 
@@ -18,6 +20,11 @@ SIZED_FOR_ACCELERATORS = ("llama3_1b", "llama3_3b", "llama8b", "llama70b", "llam
                           "sft_lora_qwen3_8b", "qlora_gemma3_27b", "mixtral_8x7b",
                           "qwen3_30b_a3b", "qwen3_235b_a22b", "qlora_qwen3_30b_a3b",
                           "deepseek_v3_671b", "kimi_k2_1t")
+# One shipped config per distinct architecture and compiler: dense, context-parallel and
+# experts (with grouped GEMMs and all-to-all) for GPU; latent attention with experts (the
+# cheaper of DeepSeek-V3's two shapes); QLoRA on one small GPU. The pipeline's GPU compile is in
+# tests/test_pipeline.py; no shipped config targets a TPU. The others are rows of check_configs.
+ONE_PER_ARCHITECTURE = ("llama8b", "llama8b_128k", "qwen3_30b_a3b", "kimi_k2_1t")
 
 
 def test_every_config_names_a_valid_target():
@@ -41,26 +48,49 @@ def _experts_travel_by_all_to_all(m):
 
 # What else the targets' compilers show of these steps, read from the compile the fit test makes.
 COMPILED_STEP_CHECKS = {name: _experts_travel_by_all_to_all
-                        for name in ("mixtral_8x7b", "qwen3_30b_a3b", "qwen3_235b_a22b",
-                                     "deepseek_v3_671b", "kimi_k2_1t")}
+                        for name in ("qwen3_30b_a3b", "kimi_k2_1t")}
+
+
+def test_check_configs_covers_every_shipped_config():
+  assert check_configs.shipped_configs(os.path.join(REPO, "configs")) == sorted(
+      SIZED_FOR_ACCELERATORS)
+
+
+def _skip_without_compiler(name):
+  config = load_config_file(os.path.join(REPO, "configs", f"{name}.py"))
+  missing = targets.compiler_missing(targets.parse(config.target))
+  if missing:
+    pytest.skip(missing)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", SIZED_FOR_ACCELERATORS)
+@pytest.mark.parametrize("name", ONE_PER_ARCHITECTURE)
 def test_shipped_config_fits_its_target(name):
-  config = load_config_file(os.path.join(REPO, "configs", f"{name}.py"))
-  target = targets.parse(config.target)
-  missing = targets.compiler_missing(target)
-  if missing:
-    pytest.skip(missing)
-  m = measure.measure(config, targets.devices(target))
-  assert m.backend == target.compiler  # the target's compiler, not an XLA:CPU estimate
-  # At least 10% of the device's memory left to the runtime.
-  assert m.total <= 0.9 * target.memory_bytes, (
-      f"{name} needs {m.total / 2**30:.2f} GiB of {target.name}'s "
-      f"{target.memory_bytes / 2**30:.1f} GiB per device")
+  _skip_without_compiler(name)
+  row, m = check_configs.check(name, os.path.join(REPO, "configs"))
+  assert row.fits == "yes", row.line()  # the target's compiler, 10% of memory to spare
+  assert m.backend == targets.parse(row.target).compiler
+  assert row.headroom_gib > 0 and row.total_gib == m.total / 2**30
   if name in COMPILED_STEP_CHECKS:
     COMPILED_STEP_CHECKS[name](m)
+
+
+@pytest.mark.slow(seconds=10)
+def test_check_configs_prints_a_row_per_config_and_its_last_line(capsys):
+  """The command's contract on the QLoRA config (one L4): its row, the last line, exit 0; an
+  unknown name exits 2 naming the shipped ones."""
+  _skip_without_compiler("qlora_llama8b")
+  assert check_configs.main(["configs/qlora_llama8b.py"]) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert lines[0].split() == ["config", "target", "compiler", "total_gib", "headroom", "fits"]
+  row = lines[1].split()
+  assert row[:3] == ["qlora_llama8b", "l4x1", "gpu"] and row[-1] == "yes", lines[1]
+  assert 0 < float(row[3]) < 0.9 * 24 and float(row[4]) > 0
+  assert lines[-1] == "check_configs: configs=1 fit=1"
+  with pytest.raises(SystemExit) as e:
+    check_configs.main(["no_such_config"])
+  assert e.value.code == 2
+  assert "no_such_config: not a shipped config" in capsys.readouterr().err
 
 
 def test_llama8b_training_on_this_host_stops_before_allocating(tmp_path):
