@@ -464,3 +464,11 @@ def safetensors_tensors(directory) -> dict:
       with safe_open(os.path.join(directory, name), framework="numpy") as f:
         out.update({k: f.get_tensor(k) for k in f.keys()})
   return out
+
+
+def assert_same_safetensors(got_dir, want_dir) -> None:
+  """The *.safetensors of both directories hold the same tensors, bit for bit."""
+  got, want = safetensors_tensors(got_dir), safetensors_tensors(want_dir)
+  assert sorted(got) == sorted(want)
+  for name, x in want.items():
+    np.testing.assert_array_equal(got[name], x, err_msg=name)

@@ -20,7 +20,7 @@ from jaxtrain.data.tokenizer import load_tokenizer
 from jaxtrain.interop import hf, hf_storage
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.sharding import abstract_model
-from tests.helpers import safetensors_tensors
+from tests.helpers import assert_same_safetensors
 from tests.object_store import s3_server, upload
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -178,10 +178,7 @@ def test_export_of_a_run_on_a_bucket_reads_its_newest_complete_step(imported, s3
   assert hf.main(["export", f"--checkpoint={s3}/runs/ft", f"--out={out}"]) == 0
   want = str(tmp_path / "want")
   assert hf.main(["export", f"--checkpoint={local}", f"--out={want}"]) == 0
-  exported, expected = safetensors_tensors(out), safetensors_tensors(want)
-  assert sorted(exported) == sorted(expected)
-  for name, x in expected.items():
-    np.testing.assert_array_equal(exported[name], x, err_msg=name)
+  assert_same_safetensors(out, want)
   staged = storage.staging_path(f"s3://{hf_storage.EXPORT_AREA}/{s3[5:]}/runs/ft")
   assert os.listdir(staged) == ["checkpoints"]
   assert os.listdir(os.path.join(staged, "checkpoints")) == ["5"]

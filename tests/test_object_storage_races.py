@@ -24,7 +24,7 @@ from jaxtrain.interop import hf, hf_storage
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.parallel.mesh import make_mesh
 from jaxtrain.sharding import abstract_model, init_params
-from tests.helpers import absl_cli_module, safetensors_tensors, small_config
+from tests.helpers import absl_cli_module, assert_same_safetensors, small_config
 from tests.object_store import s3_server
 
 MARKER = checkpoint_mirror.COMMIT_MARKER
@@ -191,10 +191,7 @@ def test_export_of_a_live_run_reads_the_next_step_when_retention_removes_one(
   assert hf.main(["export", f"--checkpoint={url}", f"--out={out}"]) == 0
   _assert_note(capsys, url)
   assert hf.main(["export", f"--checkpoint={local_steps[12]}", f"--out={want}"]) == 0
-  exported, expected = safetensors_tensors(out), safetensors_tensors(want)
-  assert sorted(exported) == sorted(expected)
-  for name, x in expected.items():
-    np.testing.assert_array_equal(exported[name], x, err_msg=name)
+  assert_same_safetensors(out, want)
   staged = storage.staging_path(f"s3://{hf_storage.EXPORT_AREA}/{url[5:]}")
   assert os.listdir(os.path.join(staged, "checkpoints")) == ["12"]
 
