@@ -114,8 +114,17 @@ class Checkpointer:
 
   def restore(self, step: int, abstract_state: Any, data_iterator) -> tuple[Any, dict]:
     """(state on the abstract state's shardings, meta); the data iterator is restored in
-    place. Shapes that differ from the model config fail with the mismatched parameters named."""
-    mismatches = shape_mismatches(self._reader.item_metadata(step)["state"], abstract_state)
+    place. A step that lacks an item or the state's metadata raises CheckpointCorrupted (Orbax
+    would take a state without metadata for a checkpoint of another model); shapes that differ
+    from the model config fail with the mismatched parameters named (ConfigError)."""
+    step_dir = epath.Path(self._reader.directory) / str(step)
+    missing = [name for name in ITEMS if not (step_dir / name).is_dir()]
+    if missing:
+      raise CheckpointCorrupted(f"{', '.join(missing)} missing from {step_dir}")
+    saved = self._reader.item_metadata(step)["state"]
+    if saved is None:
+      raise CheckpointCorrupted(f"the state's metadata (_METADATA) is missing from {step_dir}")
+    mismatches = shape_mismatches(saved, abstract_state)
     if mismatches:
       shown = [m for m in mismatches if m.startswith("params/")] or mismatches
       raise ConfigError(f"checkpoint {self.directory}/{step} does not match this model config: "
@@ -170,27 +179,21 @@ class Checkpointer:
 
   def _restore_agreed(self, step: int, abstract_state: Any,
                       data_iterator) -> tuple[Any, Verdict, BaseException | None]:
-    """(state or None, the run's verdict, this process's error) for one step. The step is
-    fetched (s3://) and checked for its items first, and the processes agree on that before
-    any of them enters Orbax's restore, whose reads are collective; then on the restore itself.
-    A transient verdict is retried once."""
+    """(state or None, the run's verdict, this process's error) for one step, fetched first on
+    s3://. Each process restores through its own reader (no barriers of Orbax's), so one that
+    fails leaves the others free to reach the verdict they agree on. A transient verdict is
+    retried once."""
     for attempt in range(2):
       state, error = None, None
       try:
         if self.mirror:
           self._fetch(step)
-        self._check_items(step)
+        state, _ = self.restore(step, abstract_state, data_iterator)
+      except ConfigError:
+        raise  # another model's checkpoint: every process reads the same metadata
       except Exception as e:  # pylint: disable=broad-except  # classified, then agreed
         error = e
       verdict = agree(classify(error) if error else Verdict.OK)
-      if verdict == Verdict.OK:
-        try:
-          state, _ = self.restore(step, abstract_state, data_iterator)
-        except ConfigError:
-          raise  # another model's checkpoint: every process reads the same metadata
-        except Exception as e:  # pylint: disable=broad-except
-          error = e
-        verdict = agree(classify(error) if error else Verdict.OK)
       if verdict != Verdict.TRANSIENT or attempt:
         return state, verdict, error
       print(f"warning: reading checkpoint {self._where(step)} failed ({describe(error)}); "
@@ -200,16 +203,6 @@ class Checkpointer:
 
   def _where(self, step: int) -> str:
     return f"{self.directory}/{step}"
-
-  def _check_items(self, step: int) -> None:
-    """Raises CheckpointCorrupted when the step lacks one of its items, or the state's metadata
-    (Orbax would take a state with no metadata for a checkpoint of another model)."""
-    step_dir = epath.Path(self.manager.directory) / str(step)
-    missing = [name for name in ITEMS if not (step_dir / name).is_dir()]
-    if missing:
-      raise CheckpointCorrupted(f"{', '.join(missing)} missing from {step_dir}")
-    if self._reader.item_metadata(step)["state"] is None:
-      raise CheckpointCorrupted(f"the state's metadata (_METADATA) is missing from {step_dir}")
 
   def _fetch(self, step: int) -> None:
     """The bucket's `step` into the staging directory, by process 0; the others take its

@@ -19,6 +19,8 @@ from __future__ import annotations
 import enum
 import json
 
+import jax
+from jax.experimental import multihost_utils
 import numpy as np
 
 
@@ -106,10 +108,8 @@ def _classify_one(e: BaseException) -> Verdict | None:
 
 def agree(verdict: Verdict) -> Verdict:
   """The run's verdict: the largest of every process's (the same on all of them)."""
-  import jax  # pylint: disable=import-outside-toplevel  # keeps this module importable alone
   if jax.process_count() == 1:
     return verdict
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   verdicts = multihost_utils.process_allgather(np.int32(int(verdict)))
   return Verdict(int(np.max(verdicts)))
 

@@ -116,13 +116,6 @@ def download_checkpoint(url: str) -> str:
   return local
 
 
-def _newest_step(url: str, names: list[str]) -> str | None:
-  """The newest complete step of the run at `url` (checkpoint_mirror.newest_step: the rule
-  checkpoint.load_params follows too), relative to `url`, or None."""
-  found = checkpoint_mirror.newest_step(url, names)
-  return found[0] if found else None
-
-
 @contextlib.contextmanager
 def as_urls(places: dict[str, str]):
   """A one-line error raised inside names the bucket URL where it names the staging directory
