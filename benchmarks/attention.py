@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import attention as attention_lib
+from jaxtrain.ops import attention as attention_lib
 
 HEADS, KV_HEADS, HEAD_DIM, TOKENS_PER_ROW = 32, 8, 128, 16384
 IMPLS = ("pallas", "cudnn", "xla")

@@ -17,11 +17,12 @@ import time
 import jax
 import numpy as np
 
-from jaxtrain import data, train_setup
-from jaxtrain.checkpoint import Checkpointer, abstract_like
+from jaxtrain import data
+from jaxtrain.checkpointing.checkpointer import Checkpointer, abstract_like
 from jaxtrain.config import load_config_file
 from jaxtrain.parallel.mesh import make_mesh
-from jaxtrain.metrics import count_params
+from jaxtrain.train import setup as train_setup
+from jaxtrain.train.metrics import count_params
 
 
 def config_for(size: str):

@@ -4,8 +4,8 @@ and how long until the step is complete where it is kept, and what a restore cos
 A state of random float32 arrays (--megabytes in all, in --arrays arrays) is saved through
 jaxtrain's Checkpointer (Orbax, asynchronous) to a local directory and to s3:// on an S3 server
 started on the loopback interface (moto's, tests/object_store.py: the dev extra), where each step
-is written into the staging directory and uploaded once committed (jaxtrain/checkpoint_mirror.py).
-For each, three saves:
+is written into the staging directory and uploaded once committed
+(jaxtrain/checkpointing/mirror.py). For each, three saves:
 
   blocking  what `save()` takes before the loop continues (the device-to-host copy);
   complete  from the save to its step being complete: committed locally, and for s3:// uploaded
@@ -36,7 +36,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxtrain import checkpoint, storage  # pylint: disable=wrong-import-position
+from jaxtrain import storage  # pylint: disable=wrong-import-position
+from jaxtrain.checkpointing import checkpointer as checkpoint
 
 
 class _Stream:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import attention_tiles as tiles
+from jaxtrain.ops import attention_tiles as tiles
 from jaxtrain.parallel.context_parallel import global_positions
 
 

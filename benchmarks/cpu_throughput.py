@@ -45,11 +45,11 @@ if __name__ == "__main__":
 import jax  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
-from jaxtrain import metrics as metrics_lib  # pylint: disable=wrong-import-position
-from jaxtrain import train_setup, trainer  # pylint: disable=wrong-import-position
 from jaxtrain.config import default_config  # pylint: disable=wrong-import-position
 from jaxtrain.parallel.mesh import make_mesh  # pylint: disable=wrong-import-position
-from jaxtrain.train_step import batch_shardings  # pylint: disable=wrong-import-position
+from jaxtrain.train import metrics as metrics_lib  # pylint: disable=wrong-import-position
+from jaxtrain.train import setup as train_setup, loop as trainer  # pylint: disable=wrong-import-position
+from jaxtrain.train.step import batch_shardings  # pylint: disable=wrong-import-position
 
 SHAPES = {  # name: (d_model, layers, heads, mlp)
     "S": (256, 4, 4, 1024),

@@ -36,8 +36,8 @@ from unittest import mock
 from jaxtrain import data
 from jaxtrain.config import default_config
 from jaxtrain.data import documents, stdlib_corpus
-from jaxtrain.data.sources import remote_tokens
 from jaxtrain.data.prepare import prepare
+from jaxtrain.data.sources import remote_tokens
 from jaxtrain.data.tokenizer import load_tokenizer
 
 

@@ -24,7 +24,7 @@ environment (`python3.12 -m venv` + `pip install "maxtext[tpu]==0.2.5"`, about 3
 
 Why no GPU row: MaxText's train_compile compiles for a GPU target over `jax.devices()` (the GPUs
 of the machine it runs on, multiplied by `mock_num_gpu_processes`), so it cannot compile for a
-GPU on a machine without one; jaxtrain's GPU dry run needs no GPU (dryrun/targets.py).
+GPU on a machine without one; jaxtrain's GPU dry run needs no GPU (jaxtrain/hardware.py).
 
 Last line: `memory_vs_maxtext: full_ratio=X minimal_ratio=Y` (ratio = jaxtrain temporaries /
 MaxText temporaries, same compiler).

@@ -5,7 +5,7 @@ One MoE feed-forward block (router, experts, routing weights; models/moe.py) for
 backward on a batch of tokens, jitted, on one device:
 
   dropless (blocked)   the default on CPU and GPU: assignments sorted by expert, a loop of
-                       GEMMs over expert-aligned blocks of rows (jaxtrain/grouped_matmul.py)
+                       GEMMs over expert-aligned blocks of rows (jaxtrain/ops/grouped_matmul.py)
   dropless (ragged)    jax.lax.ragged_dot (the TPU's grouped kernel; XLA:CPU expands it into
                        every expert's product, masked)
   dense                every expert on every token, the outputs combined with the routing

@@ -3,7 +3,7 @@
 `python benchmarks/remat_policies.py [--config=configs/llama8b.py] [--devices=8] [--accum=32]
 [--attention=xla]`
 compiles the train step of the config for each `model.remat_policy` on emulated CPU devices,
-modelling a GPU as `--dry_run_devices` does (jaxtrain/dryrun/measure.py), and prints one
+modelling a GPU as `--dry_run_devices` does (jaxtrain/train/measure.py), and prints one
 markdown table: per-device temporaries and total device memory, activations held in host memory
 by the offload policies, and FLOPs per step from the compiled program against the analytic 6·N
 formula. The default `--accum=32` makes llama8b's per-device microbatch one sequence of 8192
@@ -22,9 +22,9 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxtrain.dryrun import measure as aot  # noqa: E402  (after the path, before any backend)
-from jaxtrain.dryrun.targets import GIB  # noqa: E402
 from jaxtrain.config import REMAT_POLICIES, load_config_file  # noqa: E402
+from jaxtrain.hardware import GIB  # noqa: E402
+from jaxtrain.train import measure as aot  # noqa: E402  (after the path, before any backend)
 
 
 def main():

@@ -17,12 +17,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxtrain import train_setup, trainer
 from jaxtrain.config import default_config
-from jaxtrain.parallel.mesh import LOGICAL_RULES, make_mesh
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.decoder import Decoder
-from jaxtrain.cross_entropy import chunked_cross_entropy
+from jaxtrain.ops.cross_entropy import chunked_cross_entropy
+from jaxtrain.parallel.mesh import LOGICAL_RULES, make_mesh
+from jaxtrain.train import setup as train_setup, loop as trainer
 
 
 def tiny_config():

@@ -47,7 +47,7 @@ def get_config():
   c.grpo.top_p = 1.0
   c.grpo.beta = 0.04
   c.grpo.epsilon = 0.2
-  c.grpo.reward_fns = "jaxtrain.rewards:exact_match,jaxtrain.rewards:answer_format"
+  c.grpo.reward_fns = "jaxtrain.objectives.grpo.rewards:exact_match,jaxtrain.objectives.grpo.rewards:answer_format"
   c.train.seq_len = 1024  # prompts of up to 512 tokens and their completions
   c.train.global_batch_size = 16  # prompts per step (x 8 completions = 128 rows)
   c.train.grad_accum_steps = 4  # 32 rows per microbatch: 4 per GPU

@@ -2,9 +2,9 @@
 
 Prompts are examples/grpo/reverse.jsonl ({"prompt": "reverse: difo\\n", "answer": "ofid"};
 scripts/make_finetune_examples.py). From a random init, each step samples 8 completions of 16
-prompts with the current weights and scores them with `jaxtrain.rewards:similarity`, partial
-credit in [0, 1] (how much of the reversal a completion gets right), so even a random model gets
-a signal. The reference is the random init, so the KL penalty is kept small. On 2 CPU cores the
+prompts with the current weights and scores them with `jaxtrain.objectives.grpo.rewards:similarity`,
+partial credit in [0, 1] (how much of the reversal a completion gets right), so even a random model
+gets a signal. The reference is the random init, so the KL penalty is kept small. On 2 CPU cores the
 700 steps take 5 1/2 minutes, compile included, and the mean reward of the sampled completions
 rises from 0.10 (first five logged steps) to 0.41 (last five); docs/finetuning.md has the run.
 No supervised warm-up is needed here; `grpo.warmup_steps` adds one.
@@ -29,7 +29,7 @@ def get_config():
   c.grpo.max_new_tokens = 12  # the longest reversal (9 letters) and EOS fit
   c.grpo.beta = 0.01
   c.grpo.temperature = 1.0
-  c.grpo.reward_fns = "jaxtrain.rewards:similarity"
+  c.grpo.reward_fns = "jaxtrain.objectives.grpo.rewards:similarity"
   c.grpo.sample_prompts = 4
   c.grpo.warmup_steps = 0
   c.train.seq_len = 32  # "reverse: " + 9 letters + newline + BOS fit in 20 prompt tokens

@@ -1,13 +1,13 @@
 """CPU demo of PPO: the tiny model learns, from a reward alone, to reverse words, with a value
 head as its critic.
 
-The task and reward are grpo_tiny.py's (examples/grpo/reverse.jsonl, `jaxtrain.rewards:
-similarity`, partial credit in [0, 1]). Each batch of rollouts samples one completion of each of
-64 x 2 prompts with the current weights; GAE advantages from the value head (γ 1, λ 0.95),
-no KL penalty (the reference would be the random init: nothing worth staying near); 4 epochs of
-2 minibatches of 64 rows per batch of rollouts, 800 steps. On 2 CPU cores (the development VM)
-the run takes about 2 1/2 minutes, compile included, and the mean reward of the sampled
-completions rises from 0.02 (first five logged steps) to 0.30 (last five), the greedy
+The task and reward are grpo_tiny.py's (examples/grpo/reverse.jsonl,
+`jaxtrain.objectives.grpo.rewards: similarity`, partial credit in [0, 1]). Each batch of rollouts
+samples one completion of each of 64 x 2 prompts with the current weights; GAE advantages from the
+value head (γ 1, λ 0.95), no KL penalty (the reference would be the random init: nothing worth
+staying near); 4 epochs of 2 minibatches of 64 rows per batch of rollouts, 800 steps. On 2 CPU cores
+(the development VM) the run takes about 2 1/2 minutes, compile included, and the mean reward of the
+sampled completions rises from 0.02 (first five logged steps) to 0.30 (last five), the greedy
 held-out reward to 0.31 at step 800; the model learns to stop (completions of 6 tokens on
 average, from 12). docs/finetuning.md has the run.
 """
@@ -30,7 +30,7 @@ def get_config():
   c.data.tokenizer = "byte"
   c.grpo.max_new_tokens = 12  # the longest reversal (9 letters) and EOS fit
   c.grpo.temperature = 1.0
-  c.grpo.reward_fns = "jaxtrain.rewards:similarity"
+  c.grpo.reward_fns = "jaxtrain.objectives.grpo.rewards:similarity"
   c.grpo.sample_prompts = 4
   c.ppo.epochs = 4
   c.ppo.minibatches = 2

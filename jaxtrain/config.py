@@ -14,13 +14,12 @@ import os
 import ml_collections
 from ml_collections import config_dict
 
-from jaxtrain.models.features import ALL_PROJECTIONS
-
 # The offload variants keep what their base policy saves in pinned host memory (model.py).
 REMAT_POLICIES = ("none", "full", "minimal", "save_dots", "save_qkv_proj", "minimal_offload",
                   "save_dots_offload", "save_qkv_proj_offload")
 ATTENTION_IMPLS = ("xla", "pallas", "cudnn", "auto")
-# precision.matmul: jaxtrain/fp8.py (per-tensor scales), jaxtrain/mxfp8.py (32-element blocks).
+# precision.matmul: jaxtrain/ops/fp8.py (per-tensor scales), jaxtrain/ops/mxfp8.py (32-element
+# blocks).
 MATMUL_PRECISIONS = ("none", "fp8", "mxfp8")
 ROPE_SCALING_TYPES = ("none", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -29,9 +28,9 @@ STATE_DTYPES = ("float32", "bfloat16")
 OBJECTIVES = ("lm", "dpo", "grpo", "reward", "ppo")
 # grpo.on_reward_error: stop the run, or skip the batch of rollouts (drawing the next prompts).
 REWARD_ERROR_POLICIES = ("stop", "skip")
-# Projections that can carry LoRA adapters: attention q/k/v/o and the gated MLP's three (each
-# family lists which of them it allows: models/features.py).
-LORA_TARGETS = ALL_PROJECTIONS
+# Projections that can carry LoRA adapters in the shared decoder: attention q/k/v/o and the gated
+# MLP's three (each family lists which of them it allows: models/features.py).
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # Storage of the frozen base weights under LoRA (QLoRA when quantized): int8 and 4-bit codes
 # (int4: uniform levels, nf4: the normal-float levels of QLoRA) with per-group scales.
 BASE_QUANTIZATIONS = ("none", "int8", "int4", "nf4")
@@ -44,7 +43,7 @@ class ConfigError(ValueError):
 def default_config() -> ml_collections.ConfigDict:
   """All keys with defaults; a config file overrides what differs."""
   c = ml_collections.ConfigDict()
-  # What the config is made for, as jaxtrain.dryrun.targets names it: "h100x8", "v5p-128",
+  # What the config is made for, as jaxtrain.hardware names it: "h100x8", "v5p-128",
   # "l4x1", ... or "cpu" (this host). `--dry_run` compiles for it with its own compiler, the
   # fit verdict is against its memory, and the run table names it.
   c.target = "cpu"
@@ -166,8 +165,8 @@ def default_config() -> ml_collections.ConfigDict:
 
   c.precision = ml_collections.ConfigDict()
   # The projections' and MLP matmuls: "none" (the compute dtype), "fp8" (per-tensor current
-  # scaling: e4m3 forward, e5m2 gradients; jaxtrain/fp8.py; H100, H200, B200, L4, TPU v7x),
-  # "mxfp8" (e4m3 with a power-of-two scale per 32 elements; jaxtrain/mxfp8.py; B200). Master
+  # scaling: e4m3 forward, e5m2 gradients; jaxtrain/ops/fp8.py; H100, H200, B200, L4, TPU v7x),
+  # "mxfp8" (e4m3 with a power-of-two scale per 32 elements; jaxtrain/ops/mxfp8.py; B200). Master
   # weights, optimizer state and the loss are unchanged.
   c.precision.matmul = "none"
   # With precision.matmul="fp8": the output head's matmuls in the loss (training and evals) in
@@ -256,7 +255,7 @@ def default_config() -> ml_collections.ConfigDict:
   # "ppo": online RL like grpo with a value head and GAE advantages (the ppo group).
   c.train.objective = "lm"
 
-  # Reward-model training (jaxtrain.reward, docs/finetuning.md): loss per pair
+  # Reward-model training (jaxtrain.objectives.reward.loss, docs/finetuning.md): loss per pair
   # -log sigmoid(r_chosen - r_rejected - margin) + center_coef * (r_chosen + r_rejected)^2.
   c.reward = ml_collections.ConfigDict()
   c.reward.margin = 0.0  # how far the chosen reward must beat the rejected one before the loss rests
@@ -266,8 +265,8 @@ def default_config() -> ml_collections.ConfigDict:
   # Strength of the implicit KL penalty: larger keeps the policy nearer the reference.
   c.dpo.beta = 0.1
 
-  # Group relative policy optimization (jaxtrain.grpo, docs/finetuning.md). A step's batch is
-  # train.global_batch_size prompts x num_generations completions sampled with the current
+  # Group relative policy optimization (jaxtrain.objectives.grpo.loss, docs/finetuning.md). A step's
+  # batch is train.global_batch_size prompts x num_generations completions sampled with the current
   # weights; each prompt and its completion fit train.seq_len tokens.
   c.grpo = ml_collections.ConfigDict()
   c.grpo.num_generations = 8  # G >= 2 completions per prompt: the group advantages compare
@@ -277,13 +276,14 @@ def default_config() -> ml_collections.ConfigDict:
   c.grpo.max_new_tokens = 64
   c.grpo.temperature = 1.0  # sampling temperature of the rollouts (> 0)
   c.grpo.top_p = 1.0
-  # Comma-separated "module:function" names, rewards summed (jaxtrain.rewards shows the call).
-  c.grpo.reward_fns = "jaxtrain.rewards:exact_match"
-  # Frozen reward models added to the functions' sum (jaxtrain.reward_models): comma-separated
-  # "PATH" or "PATH:WEIGHT" (weight 1 by default), each a run of train.objective='reward', a
-  # weights directory or a Hugging Face *ForSequenceClassification directory; scored on the
-  # devices, each batch of rollouts in one forward pass. Every source, function or model, is
-  # logged as reward_<name>_mean.
+  # Comma-separated "module:function" names, rewards summed (jaxtrain.objectives.grpo.rewards shows
+  # the call).
+  c.grpo.reward_fns = "jaxtrain.objectives.grpo.rewards:exact_match"
+  # Frozen reward models added to the functions' sum (jaxtrain.objectives.grpo.reward_models):
+  # comma-separated "PATH" or "PATH:WEIGHT" (weight 1 by default), each a run of
+  # train.objective='reward', a weights directory or a Hugging Face *ForSequenceClassification
+  # directory; scored on the devices, each batch of rollouts in one forward pass. Every source,
+  # function or model, is logged as reward_<name>_mean.
   c.grpo.reward_models = ""
   # A reward function that raises or returns bad values: "stop" the run (one line naming it),
   # or "skip" that batch of rollouts and draw the next prompts (counted as reward_errors).
@@ -303,10 +303,10 @@ def default_config() -> ml_collections.ConfigDict:
   # the trained log-probs differ from the sampled ones. GRPO and PPO.
   c.grpo.replay_routing = False
 
-  # Proximal policy optimization (jaxtrain.ppo, docs/finetuning.md): one completion per prompt,
-  # sampled and scored with the grpo group's rollout settings (max_new_tokens, temperature,
-  # top_p, reward_fns, on_reward_error, sample_prompts); a value head on the policy's trunk
-  # (model.value_head) is the critic. A batch of rollouts is train.global_batch_size x
+  # Proximal policy optimization (jaxtrain.objectives.ppo.loss, docs/finetuning.md): one completion
+  # per prompt, sampled and scored with the grpo group's rollout settings (max_new_tokens,
+  # temperature, top_p, reward_fns, on_reward_error, sample_prompts); a value head on the policy's
+  # trunk (model.value_head) is the critic. A batch of rollouts is train.global_batch_size x
   # minibatches prompts, trained for `epochs` passes of `minibatches` optimizer steps each.
   c.ppo = ml_collections.ConfigDict()
   c.ppo.epochs = 2

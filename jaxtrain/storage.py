@@ -19,11 +19,16 @@ import shutil
 import tempfile
 import time
 
-from jaxtrain.data.sources.common import DataError
-
 # Scheme -> the fsspec implementation's package (in the `cloud` extra).
 SCHEMES = {"s3": "s3fs", "gs": "gcsfs"}
 CLOUD_EXTRA = 'pip install -e ".[cloud]"'
+
+
+class DataError(ValueError):
+  """Unusable input data or data paths; the message names the file, the problem and the fix.
+
+  Defined here, on the ground floor, because a path that cannot be read is the first data error
+  (StorageError); the data sources raise it too (`jaxtrain.data.sources.DataError`)."""
 
 
 class StorageError(DataError):
@@ -196,7 +201,7 @@ def staging_path(url: str, *parts: str) -> str:
   """The local directory where a URL's files are staged (written before an upload, read after a
   download): `$JAXTRAIN_STAGING_DIR/<scheme>/<bucket>/<path>`, by default under the system's temp
   directory. A run on several hosts stages checkpoints for s3:// in it, so there it must be a
-  directory all hosts share (jaxtrain/checkpoint_mirror.py)."""
+  directory all hosts share (jaxtrain/checkpointing/mirror.py)."""
   root = os.environ.get(STAGING_ENV) or os.path.join(
       tempfile.gettempdir(), f"jaxtrain-staging-{os.getuid() if hasattr(os, 'getuid') else 0}")
   scheme, _, rest = url.partition("://")

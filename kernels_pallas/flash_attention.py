@@ -1,7 +1,7 @@
 """Flash attention for jaxtrain: one signature, a Pallas kernel per backend, exact gradients.
 
 `flash_attention(q, k, v, causal=, segment_ids=, window=, ...)` computes the same function as
-`jaxtrain.attention.xla_attention` without ever materializing [T, S] logits, and without
+`jaxtrain.ops.attention.xla_attention` without ever materializing [T, S] logits, and without
 repeating K/V for grouped-query attention (K kv heads serving H = K * G query heads).
 
 Routes:

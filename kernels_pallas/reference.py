@@ -1,6 +1,6 @@
 """Pure-jnp attention in float32: the ground truth every attention kernel here is tested against.
 
-It mirrors the masking of `jaxtrain.attention.xla_attention` (bottom-right aligned causal mask,
+It mirrors the masking of `jaxtrain.ops.attention.xla_attention` (bottom-right aligned causal mask,
 equal segment ids attend, 0 is an ordinary id, an optional sliding window of the W most recent
 keys) without importing the trainer, so kernels_pallas
 stays a standalone package. It materializes [B, K, G, T, S] logits: for tests, not for training.

@@ -325,7 +325,7 @@ def jaxtrain_scores(model, arrays: dict) -> tuple[np.ndarray, np.ndarray]:
   highest matmul precision."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from jaxtrain import reward  # pylint: disable=import-outside-toplevel
+  from jaxtrain.objectives.reward import loss as reward  # pylint: disable=import-outside-toplevel
   with jax.default_matmul_precision("highest"):
     scores = model(jnp.asarray(arrays["input_ids"]))
     rewards = reward.sequence_rewards(model, jnp.asarray(arrays["padded_input_ids"]),

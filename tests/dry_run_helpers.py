@@ -31,7 +31,7 @@ def run_dry_run(*args, devices: int | None = None) -> DryRun:
   command measured and compiled, so that one compile gives a test both the report and the
   compiled program (a deviceless GPU or TPU compile is not served by the persistent compilation
   cache: a second test of the same program compiles it again)."""
-  from jaxtrain.dryrun import measure  # pylint: disable=import-outside-toplevel
+  from jaxtrain.train import measure  # pylint: disable=import-outside-toplevel
   measurements, compiles = [], []
   real_measure, real_compile_step = measure.measure, measure.compile_step
 

@@ -186,7 +186,8 @@ def train_curves(config, shape, steps: int = 3, docs_per_row: int = 3) -> dict[s
   (see mesh_of), in this process, on packed synthetic batches (a different one each step, the
   same on every mesh). Parity tests compare both: under Adam a gradient scaled by a constant
   (a doubled or missing reduction over a mesh axis) barely moves the losses, never the norm."""
-  from jaxtrain import train_setup, trainer  # pylint: disable=import-outside-toplevel
+  from jaxtrain.train import loop as trainer  # pylint: disable=import-outside-toplevel
+  from jaxtrain.train import setup as train_setup  # pylint: disable=import-outside-toplevel
   setup = train_setup.build(config, mesh_of(shape))
   state = train_setup.init_state(setup, seed=0)
   curves = {"loss": [], "grad_norm": []}
@@ -226,7 +227,7 @@ def assert_one_line_config_error(config, num_devices: int, words, **validate_kwa
   `words`; returns the message."""
   import pytest  # pylint: disable=import-outside-toplevel
   from jaxtrain.config import ConfigError  # pylint: disable=import-outside-toplevel
-  from jaxtrain.config_checks import validate  # pylint: disable=import-outside-toplevel
+  from jaxtrain.validation.checks import validate  # pylint: disable=import-outside-toplevel
   with pytest.raises(ConfigError) as err:
     validate(config, num_devices, **validate_kwargs)
   message = str(err.value)
@@ -263,7 +264,7 @@ _ABSL_CLI_FLAGS: dict = {}  # module name -> the absl FlagValues state that hold
 def absl_cli_module(name: str):
   """Imports (once) and yields the absl CLI module `name`, its flags defined in absl's FLAGS
   only while inside: each jaxtrain CLI defines its flags in the one global FLAGS, and two of
-  them cannot share a process (jaxtrain.generate_cli and jaxtrain.main both define --config).
+  them cannot share a process (jaxtrain.generate.cli and jaxtrain.main both define --config).
   Outside, FLAGS is as it was (jaxtrain.main's flags for run_cli); inside, it holds absl's own
   flags and the module's, parsed afresh by each run. Import such a module only through this."""
   import copy  # pylint: disable=import-outside-toplevel
@@ -305,7 +306,7 @@ def run_generate(*args, devices: int | None = None, cwd=REPO) -> CliResult:
   from absl import flags  # pylint: disable=import-outside-toplevel
   from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
   verbosity, handlers = absl_logging.get_verbosity(), list(logging.root.handlers)
-  with absl_cli_module("jaxtrain.generate_cli") as generate_cli:
+  with absl_cli_module("jaxtrain.generate.cli") as generate_cli:
     flags.FLAGS.unparse_flags()
     try:
       return run_entry(lambda argv: generate_cli.run(["jaxtrain.generate", *argv]), *args,

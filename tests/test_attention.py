@@ -1,4 +1,4 @@
-"""Tests for jaxtrain.attention: XLA attention against a naive reference, padding, dispatch."""
+"""Tests for jaxtrain.ops.attention: XLA attention against a naive reference, padding, dispatch."""
 
 import re
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import attention as attention_lib
+from jaxtrain.ops import attention as attention_lib
 from jaxtrain.parallel.mesh import make_mesh
 
 B, T, E = 2, 24, 16

@@ -18,10 +18,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxtrain import checkpoint as checkpoint_lib
 from jaxtrain import storage
-from jaxtrain.checkpoint import Checkpointer
-from jaxtrain.checkpoint_verdicts import (CheckpointRestoreError, Verdict, classify)
+from jaxtrain.checkpointing import checkpointer as checkpoint_lib
+from jaxtrain.checkpointing.checkpointer import Checkpointer
+from jaxtrain.checkpointing.verdicts import (CheckpointRestoreError, Verdict, classify)
 from tests.helpers import REPO
 from tests.object_store import s3_server
 
@@ -271,8 +271,8 @@ process, port, directory, case = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
 import grain, jax.numpy as jnp, numpy as np, orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from jaxtrain.checkpoint import Checkpointer
-from jaxtrain.checkpoint_verdicts import CheckpointRestoreError
+from jaxtrain.checkpointing.checkpointer import Checkpointer
+from jaxtrain.checkpointing.verdicts import CheckpointRestoreError
 
 mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 sharding = NamedSharding(mesh, P("data"))

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from jaxtrain.config import default_config, load_config_file
-from jaxtrain.config_checks import resolve_mesh_shape, validate
+from jaxtrain.validation.checks import resolve_mesh_shape, validate
 from tests.helpers import REPO, assert_one_line_config_error, run_main, small_config
 
 

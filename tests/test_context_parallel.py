@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import attention, train_setup
+from jaxtrain import hardware as targets
+from jaxtrain.ops import attention
 from jaxtrain.parallel import context_parallel as cp
 from jaxtrain.parallel.context_attention import context_attention
-from jaxtrain.dryrun import targets
-from jaxtrain.dryrun.measure import compile_setup, compile_step
+from jaxtrain.train import setup as train_setup
+from jaxtrain.train.measure import compile_setup, compile_step
 from tests.helpers import (assert_curves_close, assert_one_line_config_error, cli_curves,
                            mesh_of, run_cli, small_config, train_curves)
 
@@ -130,7 +131,7 @@ def test_h100_step_runs_our_kernels_per_chunk_pair():
 def test_tiles_above_the_causal_diagonal_are_skipped():
   """The ring's tiles run under lax.cond: a device whose keys all follow its queries computes
   nothing for them (here the first device of a plain split: 1 of C parts visible)."""
-  from jaxtrain import attention_tiles as tiles  # pylint: disable=import-outside-toplevel
+  from jaxtrain.ops import attention_tiles as tiles  # pylint: disable=import-outside-toplevel
   calls = []
   real = tiles._scores  # pylint: disable=protected-access
 

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import train_setup, trainer
 from jaxtrain.models import moe
 from jaxtrain.parallel.expert_parallel import Sequences
+from jaxtrain.train import setup as train_setup, loop as trainer
 from tests.moe_helpers import on_short_rows, with_changes
 from tests.helpers import (REPO, assert_curves_close, assert_one_line_config_error, mesh_of,
                            packed_batch, train_curves)
@@ -130,7 +130,7 @@ def test_generation_from_the_latent_cache_equals_the_forward_pass(q_lora_rank, y
   bottleneck; YaRN's softmax scale on the absorbed path too)."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from jaxtrain.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
-  from jaxtrain.sharding import create_model  # pylint: disable=import-outside-toplevel
+  from jaxtrain.models.sharding import create_model  # pylint: disable=import-outside-toplevel
   c = _deepseek_tiny()
   c.model.q_lora_rank = q_lora_rank
   if yarn:
@@ -154,7 +154,7 @@ def test_generation_from_the_latent_cache_equals_the_forward_pass(q_lora_rank, y
 def two_depths():
   """deepseek_tiny's model with two prediction modules, and its forward jitted once."""
   from jaxtrain.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
-  from jaxtrain.sharding import create_model  # pylint: disable=import-outside-toplevel
+  from jaxtrain.models.sharding import create_model  # pylint: disable=import-outside-toplevel
   c = _deepseek_tiny()
   c.model.mtp_depth = 2
   model = create_model(ModelConfig.from_config(c, platform="cpu"), mesh_of({}), seed=0)
@@ -188,7 +188,7 @@ def test_each_prediction_depth_sees_one_more_token_and_no_later_one(two_depths):
 def test_prediction_losses_are_each_depths_cross_entropy_within_documents(two_depths):
   """mtp_loss (and the loss's extra weight/D times the depths' sum) from dense logits of each
   depth's states against the targets k places on, masked where they leave the document."""
-  from jaxtrain.train_step import loss_sum_fn  # pylint: disable=import-outside-toplevel
+  from jaxtrain.objectives.forward import loss_sum_fn  # pylint: disable=import-outside-toplevel
   c, model, forward = two_depths
   batch = {k: jnp.asarray(v) for k, v in packed_batch(4, 32, 256, seed=3).items()}
   graphdef, params = nnx.split(model)

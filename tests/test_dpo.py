@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain.dpo import dpo_loss, sequence_logprobs
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.sharding import create_model, init_params
-from jaxtrain.train_step import Frozen, make_grad_fn
+from jaxtrain.models.sharding import create_model, init_params
+from jaxtrain.objectives.dpo.loss import dpo_loss, sequence_logprobs
+from jaxtrain.objectives.forward import Frozen
+from jaxtrain.train.step import make_grad_fn
 from tests.helpers import mesh_of
 
 CFG = ModelConfig.of(vocab_size=61, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,

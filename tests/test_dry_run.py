@@ -8,21 +8,22 @@ import optax
 import pytest
 
 from jaxtrain import config as config_lib
-from jaxtrain import config_checks
-from jaxtrain.attention import xla_attention
-from jaxtrain.blockwise_attention import blockwise_attention
 from jaxtrain.config import ConfigError
-from jaxtrain.config_checks import validate
-from jaxtrain.dryrun import command, hlo_flops, suggestions
-from jaxtrain.dryrun import measure as aot
-from jaxtrain.dryrun.targets import GIB, verdict
+from jaxtrain.dryrun import command, suggestions
+from jaxtrain.hardware import GIB, verdict
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.remat import remat_policy
-from jaxtrain.optim import learning_rate_schedule, make_optimizer, weight_decay_mask
-from jaxtrain.sharding import abstract_model, init_params
-from jaxtrain.train_step import loss_sum_fn
-from jaxtrain.train_setup import build, init_state
-from jaxtrain.trainer import to_global_batch
+from jaxtrain.models.sharding import abstract_model, init_params
+from jaxtrain.objectives.forward import loss_sum_fn
+from jaxtrain.ops.attention import xla_attention
+from jaxtrain.ops.blockwise_attention import blockwise_attention
+from jaxtrain.train import hlo_flops
+from jaxtrain.train import measure as aot
+from jaxtrain.train.loop import to_global_batch
+from jaxtrain.train.optim import learning_rate_schedule, make_optimizer, weight_decay_mask
+from jaxtrain.train.setup import build, init_state
+from jaxtrain.validation import checks as config_checks
+from jaxtrain.validation.checks import validate
 from tests.dry_run_helpers import DRY_RUN_LAST_LINE as LAST_LINE
 from tests.helpers import mesh_of, packed_batch, run_cli, run_main, small_config
 
@@ -222,7 +223,7 @@ def test_optimizer_state_offload_on_cpu():
 def test_offloaded_optimizer_state_on_a_deviceless_gpu_target_is_counted_in_host_memory():
   """A deviceless GPU compile has no host memory space: the moments compile on the device, and
   the figures move their exact bytes to host memory, saying so, as the suggestion does."""
-  from jaxtrain.dryrun import targets  # pylint: disable=import-outside-toplevel
+  from jaxtrain import hardware as targets  # pylint: disable=import-outside-toplevel
   target = targets.parse("h100x1")
   if targets.compiler_missing(target):
     pytest.skip(targets.compiler_missing(target))

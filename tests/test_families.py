@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import train_setup, trainer
-from jaxtrain.dryrun import measure, targets
+from jaxtrain import hardware as targets
 from jaxtrain.models import cost, registry
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.sharding import abstract_model, create_model
+from jaxtrain.models.sharding import abstract_model, create_model
+from jaxtrain.train import measure
+from jaxtrain.train import setup as train_setup, loop as trainer
 from tests.helpers import (FAMILY_OVERRIDES, assert_curves_close, dpo_pair_batch, family_config,
                            lora_config, mesh_of, packed_batch, small_config,
                            train_curves)

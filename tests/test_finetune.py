@@ -58,7 +58,7 @@ def test_sft_then_lora_then_qlora_from_it(tmp_path):
   # Generation loads the run's adapters merged into its base (named by the saved config);
   # export (`python -m jaxtrain.interop.hf export`) writes that merged model without --config,
   # and transformers' format holds it whole.
-  with absl_cli_module("jaxtrain.generate_cli") as generate_cli:
+  with absl_cli_module("jaxtrain.generate.cli") as generate_cli:
     merged, _ = generate_cli.load(str(tmp_path / "qlora_tiny"))
   proc = run_entry(hf.main, "export", f"--checkpoint={tmp_path / 'qlora_tiny'}",
                    f"--out={tmp_path / 'hf'}")

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from jaxtrain.attention import xla_attention
+from jaxtrain.ops.attention import xla_attention
 from kernels_pallas import flash_attention, reference_attention
 from kernels_pallas import flash_attention_kernels as fk
 from kernels_pallas import splash_tpu

@@ -1,4 +1,4 @@
-"""FP8 matmuls (jaxtrain/fp8.py): error within the formats' rounding bounds, zeros, very large
+"""FP8 matmuls (jaxtrain/ops/fp8.py): error within the formats' rounding bounds, zeros, very large
 values, scales, gradients, experts' stacks with a scale per expert; a model's first-step
 gradient under `precision.matmul=fp8` and `mxfp8` against the compute dtype's."""
 
@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import fp8, train_setup, trainer
+from jaxtrain.ops import fp8
+from jaxtrain.train import setup as train_setup, loop as trainer
 from tests.fp8_helpers import (E4M3_TINY, E4M3_UNIT, E5M2_TINY, E5M2_UNIT, MXFP8_DIMS,
                                operands, product_bound, rounding_bound, small_in)
 from tests.helpers import mesh_of, packed_batch
@@ -96,8 +97,8 @@ def _first_step_grads(config) -> dict[str, np.ndarray]:
   in float64 (params of every matmul precision are the same arrays: precision is no param)."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from jaxtrain.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
-  from jaxtrain.sharding import init_params  # pylint: disable=import-outside-toplevel
-  from jaxtrain.train_step import make_grad_fn  # pylint: disable=import-outside-toplevel
+  from jaxtrain.models.sharding import init_params  # pylint: disable=import-outside-toplevel
+  from jaxtrain.train.step import make_grad_fn  # pylint: disable=import-outside-toplevel
   mesh = mesh_of({})
   graphdef, params = init_params(ModelConfig.from_config(config), mesh, seed=0)
   grad_fn = jax.jit(make_grad_fn(graphdef, loss_chunk_size=config.train.loss_chunk_size))
@@ -157,7 +158,8 @@ ENTRY %main (a: f8e4m3fn[4,8], b: f8e4m3fn[8,2], c: bf16[2,3]) -> bf16[4,3] {
 
 
 def test_hlo_dots_are_counted_by_operand_types():
-  from jaxtrain.dryrun import hlo_dots, hlo_flops  # pylint: disable=import-outside-toplevel
+  from jaxtrain.dryrun import hlo_dots
+  from jaxtrain.train import hlo_flops  # pylint: disable=import-outside-toplevel
   counts = hlo_dots.dot_operand_types(HLO)
   assert counts == {("f8e4m3fn", "f8e5m2"): 1, ("f8e4m3fn", "f8e4m3fn"): 1, ("bf16", "bf16"): 1}
   assert hlo_dots.fp8_dots(counts) == (1, 1)
@@ -174,7 +176,8 @@ def test_llama8b_fp8_step_for_h100_multiplies_every_projection_in_fp8(tmp_path):
   XLA's GPU compiler for h100x8: it fits, and the optimized HLO's scanned layer multiplies each
   of its 7 projections in FP8 three times (e4m3 x e4m3 forward; the input and weight gradients
   with the e5m2 output gradient); only the output head's matmuls stay in bfloat16."""
-  from jaxtrain.dryrun import hlo_dots, targets  # pylint: disable=import-outside-toplevel
+  from jaxtrain.dryrun import hlo_dots
+  from jaxtrain import hardware as targets  # pylint: disable=import-outside-toplevel
   from tests.helpers import run_cli  # pylint: disable=import-outside-toplevel
   missing = targets.compiler_missing(targets.parse("h100x8"))
   if missing:
@@ -203,7 +206,7 @@ def test_fp8_on_a_target_without_fp8_units_is_refused_in_one_line(target):
 
 
 def test_mfu_is_against_the_peak_of_the_precision_in_use():
-  from jaxtrain.dryrun import targets  # pylint: disable=import-outside-toplevel
+  from jaxtrain import hardware as targets  # pylint: disable=import-outside-toplevel
   kind = "NVIDIA H100 80GB HBM3"
   assert targets.chip_for_device_kind(kind) == ("NVIDIA H100 80GB (SXM)", 989e12)
   assert targets.chip_for_device_kind(kind, "fp8") == ("NVIDIA H100 80GB (SXM)", 1979e12)
@@ -216,7 +219,8 @@ def test_tpu7x_compiles_the_fp8_projections_as_fp8_matmuls(tmp_path):
   """libtpu's compiler for TPU v7x (deviceless) keeps the tiny model's projections FP8: the
   scanned layer's 7 forward matmuls e4m3 x e4m3 and 14 backward ones with the e5m2 gradient
   (as `convolution`s, its form of a matmul)."""
-  from jaxtrain.dryrun import hlo_dots, targets  # pylint: disable=import-outside-toplevel
+  from jaxtrain.dryrun import hlo_dots
+  from jaxtrain import hardware as targets  # pylint: disable=import-outside-toplevel
   from tests.helpers import run_cli  # pylint: disable=import-outside-toplevel
   missing = targets.compiler_missing(targets.parse("tpu7x-8"))
   if missing:
@@ -252,7 +256,7 @@ def _assert_within_own_bounds(got, a, ea, b, eb, what):
 
 
 def _grouped_fp8(impl, sizes, x, w, g):
-  from jaxtrain.grouped_matmul import grouped_matmul  # pylint: disable=import-outside-toplevel
+  from jaxtrain.ops.grouped_matmul import grouped_matmul  # pylint: disable=import-outside-toplevel
   y, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, jnp.asarray(sizes), impl=impl,
                                                block_rows=8, precision="fp8"),
                    *(jnp.asarray(t, jnp.float32) for t in (x, w)))
@@ -362,7 +366,8 @@ def test_the_fp8_head_loss_and_gradients_stay_close_to_float32(vocab_axis):
   """precision.fp8_head: the chunked loss's head matmuls in FP8 (untied head [D, V] and tied
   table [V, D]): loss within 1%, gradients within 10% (relative norm) of the float32 ones,
   all finite."""
-  from jaxtrain.cross_entropy import cross_entropy_sum  # pylint: disable=import-outside-toplevel
+  from jaxtrain.ops.cross_entropy import (  # pylint: disable=import-outside-toplevel
+      cross_entropy_sum)
   rng = np.random.default_rng(6)
   x = jnp.asarray(rng.normal(size=(2, 32, 64)), jnp.float32)
   w = jnp.asarray(0.3 * rng.normal(size=(64, 128) if vocab_axis else (128, 64)), jnp.float32)

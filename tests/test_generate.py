@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import train_setup
-from jaxtrain.checkpoint_weights import save_params
+from jaxtrain.checkpointing.weights import save_params
 from jaxtrain.config import load_config_file
 from jaxtrain.data.tokenizer import load_tokenizer
-from jaxtrain import generate as generate_lib
-from jaxtrain.generate import SamplingConfig, generate, sample_token
+from jaxtrain.generate import sampler as generate_lib
+from jaxtrain.generate.sampler import SamplingConfig, generate, sample_token
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.sharding import create_model
+from jaxtrain.models.sharding import create_model
+from jaxtrain.train import setup as train_setup
 from tests.helpers import REPO, mesh_of, run_generate
 
 

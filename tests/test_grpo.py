@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import grpo
+from jaxtrain.objectives.grpo import loss as grpo
 
 
 def _advantages_reference(rewards, g):

@@ -1,6 +1,7 @@
-"""Reward models as GRPO reward sources (grpo.reward_models, jaxtrain/reward_models.py): the
-entries and metric names, the rows a reward model scores (its own training rows), scores over a
-mesh, the run's per-source metrics, the dry run's memory, and the one-line refusals."""
+"""Reward models as GRPO reward sources (grpo.reward_models,
+jaxtrain/objectives/grpo/reward_models.py): the entries and metric names, the rows a reward model
+scores (its own training rows), scores over a mesh, the run's per-source metrics, the dry run's
+memory, and the one-line refusals."""
 
 import json
 import os
@@ -13,12 +14,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import checkpoint_weights
-from jaxtrain import objectives, reward, reward_models, run_weights
+from jaxtrain import objectives
+from jaxtrain.checkpointing import weights as checkpoint_weights
 from jaxtrain.config import ConfigError
 from jaxtrain.data import formats
 from jaxtrain.data.documents import tokenizer_for
 from jaxtrain.data.preference import pair_rows
+from jaxtrain.interop import run_weights
+from jaxtrain.objectives.grpo import reward_models
+from jaxtrain.objectives.reward import loss as reward
 from tests.helpers import (REPO, assert_one_line_config_error, mesh_of, run_cli,
                            shipped_config)
 
@@ -27,8 +31,8 @@ def test_entries_and_the_metric_name_of_every_source():
   specs = reward_models.parse_specs("runs/rm, runs/b/checkpoints/300:0.5,gs://bucket/rm:-2")
   assert [(s.path, s.weight) for s in specs] == [
       ("runs/rm", 1.0), ("runs/b/checkpoints/300", 0.5), ("gs://bucket/rm", -2.0)]
-  assert reward_models.source_names(["jaxtrain.rewards:similarity", "my.mod:similarity"],
-                                    specs) == ["similarity", "similarity_2", "rm", "b", "rm_2"]
+  names = ["jaxtrain.objectives.grpo.rewards:similarity", "my.mod:similarity"]
+  assert reward_models.source_names(names, specs) == ["similarity", "similarity_2", "rm", "b", "rm_2"]
   assert reward_models.parse_specs(" , ") == []
   with pytest.raises(ConfigError, match="not a number"):
     reward_models.parse_specs("runs/rm:half")

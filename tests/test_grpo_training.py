@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import grpo, objectives, rewards, train_setup, trainer
+from jaxtrain import objectives
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.decoder import Decoder
-from jaxtrain.rollouts import completion_lengths, training_rows
-from jaxtrain.sharding import create_model
+from jaxtrain.models.sharding import create_model
+from jaxtrain.objectives.grpo import loss as grpo, rewards
+from jaxtrain.objectives.grpo.rollouts import completion_lengths, training_rows
+from jaxtrain.train import setup as train_setup, loop as trainer
 from tests.helpers import assert_one_line_config_error, mesh_of, small_config
 
 G = 4
@@ -25,7 +27,7 @@ def grpo_config(**grpo_settings):
   c.train.global_batch_size = 4  # prompts: x G = 16 rows
   c.grpo.num_generations = G
   c.grpo.max_new_tokens = 12
-  c.grpo.reward_fns = "jaxtrain.rewards:similarity"
+  c.grpo.reward_fns = "jaxtrain.objectives.grpo.rewards:similarity"
   for k, v in grpo_settings.items():
     setattr(c.grpo, k, v)
   return c
@@ -103,8 +105,8 @@ def test_accumulation_and_meshes_give_the_full_batch_step(iterations, mesh_shape
 
 @pytest.mark.slow
 def test_loss_equals_grpo_loss_of_the_models_token_logprobs():
-  """The objective's loss is jaxtrain.grpo.grpo_loss of the policy's per-token log-probs, with
-  the reference's (here: the same initial params) and the batch's advantages."""
+  """The objective's loss is jaxtrain.objectives.grpo.loss.grpo_loss of the policy's per-token
+  log-probs, with the reference's (here: the same initial params) and the batch's advantages."""
   config = grpo_config(beta=0.1)
   batch = _rollout_batch(config, seed=3)
   setup = train_setup.build(config, mesh_of((1, 1, 1)))
@@ -161,7 +163,8 @@ def test_cached_decode_equals_the_forward_under_lora_and_qlora():
 
 
 @pytest.mark.parametrize("override,words", [
-    ({"grpo.reward_fns": "jaxtrain.rewards:no_such_fn"}, ["grpo.reward_fns", "no_such_fn"]),
+    ({"grpo.reward_fns": "jaxtrain.objectives.grpo.rewards:no_such_fn"},
+     ["grpo.reward_fns", "no_such_fn"]),
     ({"grpo.reward_fns": "not_a_module_xyz:f"}, ["cannot import", "not_a_module_xyz"]),
     ({"grpo.num_generations": 1}, ["grpo.num_generations=1", "at least 2"]),
     ({"grpo.max_new_tokens": 300}, ["grpo.max_new_tokens=300", "256 positions"]),

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxtrain.health import LossSpikeDetector, TrainingHealthError, check_bad_streak
+from jaxtrain.train.health import LossSpikeDetector, TrainingHealthError, check_bad_streak
 
 
 def _decaying_curve(n, seed=0):

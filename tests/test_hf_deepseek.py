@@ -13,10 +13,10 @@ import pytest
 from flax import nnx
 
 from jaxtrain.config import load_config_file
-from jaxtrain.interop import hf, hf_config
+from jaxtrain.interop import hf, hf_io, hf_config
 from jaxtrain.interop.hf_config import HFFormatError
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.sharding import abstract_model
+from jaxtrain.models.sharding import abstract_model
 from tests.helpers import safetensors_tensors
 from tests.hf_helpers import FIXTURES, LOGIT_TOL, max_logit_error
 
@@ -87,10 +87,11 @@ def test_cli_import_keeps_or_drops_the_prediction_layer(tmp_path, capsys):
     assert f"c.model.mtp_depth = {depth}" in (tmp_path / name / "config.py").read_text()
   assert "--config.model.mtp_depth=0" in capsys.readouterr().out
   # A run without the prediction module can start from the weights that keep it.
-  from jaxtrain import checkpoint_weights  # pylint: disable=import-outside-toplevel
+  from jaxtrain.checkpointing import (  # pylint: disable=import-outside-toplevel
+      weights as checkpoint_weights)
   config = load_config_file(str(tmp_path / "kept" / "config.py"))
   for depth in (1, 0):
     config.model.mtp_depth = depth
-    _, abstract, _ = abstract_model(ModelConfig.from_config(config), hf.default_mesh())
+    _, abstract, _ = abstract_model(ModelConfig.from_config(config), hf_io.default_mesh())
     params, _ = checkpoint_weights.load_params(str(tmp_path / "kept"), abstract)
     assert ("mtp" in params) == bool(depth)

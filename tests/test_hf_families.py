@@ -18,11 +18,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import config_checks
 from jaxtrain.config import default_config
-from jaxtrain.interop import hf, hf_config, hf_export_config
+from jaxtrain.interop import hf, hf_io, hf_config, hf_export_config
 from jaxtrain.interop.hf_config import HFFormatError
 from jaxtrain.models import registry
+from jaxtrain.validation import checks as config_checks
 from tests.helpers import mesh_of, safetensors_tensors
 from tests.hf_helpers import FIXTURES, max_logit_error as _max_error
 
@@ -201,7 +201,7 @@ def test_unrolled_layers_of_both_types_import(tmp_path):
   """scan_layers=False: each Gemma 3 layer knows its own type and RoPE."""
   config = hf_config.to_jaxtrain_config(hf_config.read_hf_config(GEMMA3_TEXT), GEMMA3_TEXT)
   config.model.scan_layers = False
-  model = hf.load_weights(GEMMA3_TEXT, config)
+  model = hf_io.load_weights(GEMMA3_TEXT, config)
   _max_error(model, GEMMA3_TEXT, "gemma3 unrolled layers")
   hf.save_model(model, config, str(tmp_path))
   original, exported = safetensors_tensors(GEMMA3_TEXT), safetensors_tensors(tmp_path)

@@ -23,13 +23,13 @@ import pytest
 from flax import nnx
 
 from jaxtrain import config as config_lib
-from jaxtrain import config_checks
-from jaxtrain.checkpoint_weights import load_params
-from jaxtrain.interop import hf, hf_config, hf_weights
+from jaxtrain.checkpointing.weights import load_params
+from jaxtrain.interop import hf, hf_io, hf_config, hf_weights
 from jaxtrain.interop.hf_config import HFFormatError
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.sharding import abstract_model
-from jaxtrain.train_step import loss_sum_fn
+from jaxtrain.models.sharding import abstract_model
+from jaxtrain.objectives.forward import loss_sum_fn
+from jaxtrain.validation import checks as config_checks
 from tests.helpers import mesh_of, safetensors_tensors
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -304,7 +304,7 @@ def test_export_writes_the_same_tensors_and_reimports(tmp_path, path, shape):
 def test_unrolled_layers_import_and_export(tmp_path):
   config = hf_config.to_jaxtrain_config(hf_config.read_hf_config(GQA), GQA)
   config.model.scan_layers = False
-  model = hf.load_weights(GQA, config, mesh=mesh_of((1, 2, 2)))
+  model = hf_io.load_weights(GQA, config, mesh=mesh_of((1, 2, 2)))
   assert "0" in {str(k) for k in nnx.state(model, nnx.Param)["layers"].keys()}
   _assert_parity(model, GQA, "unrolled layers", with_loss=False)
   hf.save_model(model, config, str(tmp_path))
@@ -377,7 +377,7 @@ def test_cli_import_writes_a_trainable_weights_directory_and_export_reverses_it(
   config_checks.validate(config, 1, "cpu")
   # What the trainer does with checkpoint.init_from: bfloat16 storage restores as float32.
   cfg = ModelConfig.from_config(config)
-  graphdef, abstract_params, _ = abstract_model(cfg, hf.default_mesh())
+  graphdef, abstract_params, _ = abstract_model(cfg, hf_io.default_mesh())
   params, _ = load_params(config.checkpoint.init_from, abstract_params)
   ids, want, _ = _fixture(GQA)
   logits, _ = _run_params(graphdef, params, ids)

@@ -13,13 +13,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxtrain import checkpoint_mirror, checkpoint_weights, storage
 from jaxtrain import config as config_lib
+from jaxtrain import storage
+from jaxtrain.checkpointing import mirror as checkpoint_mirror, weights as checkpoint_weights
 from jaxtrain.config import ConfigError
 from jaxtrain.data.tokenizer import load_tokenizer
-from jaxtrain.interop import hf, hf_storage
+from jaxtrain.interop import hf, hf_io, hf_storage
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.sharding import abstract_model
+from jaxtrain.models.sharding import abstract_model
 from tests.helpers import assert_same_safetensors
 from tests.object_store import s3_server, upload
 
@@ -56,7 +57,7 @@ def imported(s3, tmp_path_factory):
 
 
 def _params(directory, config):
-  _, abstract_params, _ = abstract_model(ModelConfig.from_config(config), hf.default_mesh())
+  _, abstract_params, _ = abstract_model(ModelConfig.from_config(config), hf_io.default_mesh())
   params, _ = checkpoint_weights.load_params(directory, abstract_params)
   return params
 

@@ -21,13 +21,14 @@ import pytest
 from flax import nnx
 
 from jaxtrain import config as config_lib
-from jaxtrain import config_checks, reward
-from jaxtrain.checkpoint_weights import load_params
-from jaxtrain.interop import hf, hf_config, hf_export_config
+from jaxtrain.checkpointing.weights import load_params
+from jaxtrain.interop import hf, hf_io, hf_config, hf_export_config
 from jaxtrain.interop.hf_config import HFFormatError
 from jaxtrain.models import registry
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.sharding import abstract_model
+from jaxtrain.models.sharding import abstract_model
+from jaxtrain.objectives.reward import loss as reward
+from jaxtrain.validation import checks as config_checks
 from tests.helpers import safetensors_tensors
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -196,7 +197,7 @@ def test_cli_import_gives_a_reward_model_for_init_from_and_export_reverses_it(tm
   config_checks.validate(config, 1, "cpu")
   # What the trainer does with checkpoint.init_from: the score head is read, not started anew.
   cfg = ModelConfig.from_config(config)
-  graphdef, abstract_params, _ = abstract_model(cfg, hf.default_mesh())
+  graphdef, abstract_params, _ = abstract_model(cfg, hf_io.default_mesh())
   assert "score_D1" in abstract_params
   params, _ = load_params(config.checkpoint.init_from, abstract_params)
   assert np.abs(np.asarray(params["score_D1"])).max() > 0

@@ -4,10 +4,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import train_setup, trainer
-from jaxtrain.checkpoint_weights import save_params
+from jaxtrain.checkpointing.weights import save_params
 from jaxtrain.config import ConfigError
-from jaxtrain.config_checks import validate
+from jaxtrain.train import setup as train_setup, loop as trainer
+from jaxtrain.validation.checks import validate
 from tests.helpers import mesh_of, small_config
 
 

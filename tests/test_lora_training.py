@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import checkpoint as ckpt_lib
-from jaxtrain import peft, run_weights, train_setup, trainer
-from jaxtrain.sharding import abstract_model
-from jaxtrain.train_step import merge_model
+from jaxtrain.checkpointing import checkpointer as ckpt_lib
+from jaxtrain.interop import run_weights
+from jaxtrain.models.sharding import abstract_model
+from jaxtrain.objectives.forward import merge_model
+from jaxtrain.peft import state as peft_state
+from jaxtrain.train import setup as train_setup, loop as trainer
 from tests.helpers import (assert_curves_close, dpo_pair_batch, lora_config, mesh_of,
                            packed_batch)
 
@@ -41,7 +43,7 @@ def test_only_adapters_train_and_the_base_stays_frozen(quantize_base):
   state = train_setup.init_state(setup, seed=0)
   assert _leaf_types(state.params) == {"Adapter"}
   adapter_count = sum(x.size for x in jax.tree.leaves(state.params))
-  assert adapter_count == peft.parameter_counts(setup.model_cfg).trainable
+  assert adapter_count == peft_state.parameter_counts(setup.model_cfg).trainable
   # Adam's two moments are the adapters' shapes: nothing of the base is in the optimizer.
   moments = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim > 0)
   assert moments == 2 * adapter_count
@@ -77,7 +79,7 @@ def test_merged_export_computes_what_the_lora_model_computes(tmp_path):
     got = plain(tokens)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
   # The plain weights are what a full fine-tuning checkpoint would hold.
-  _, abstract, _ = abstract_model(peft.plain_config(setup.model_cfg), mesh)
+  _, abstract, _ = abstract_model(peft_state.plain_config(setup.model_cfg), mesh)
   assert (jax.tree.structure(nnx.state(plain, nnx.Param))
           == jax.tree.structure(jax.tree.map(lambda x: 0, abstract)))
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.cross_entropy import (chunked_cross_entropy, sequence_cross_entropy,
+from jaxtrain.ops.cross_entropy import (chunked_cross_entropy, sequence_cross_entropy,
                                     token_cross_entropy)
 
 

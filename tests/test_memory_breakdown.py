@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import weight_cast
-from jaxtrain.dryrun import breakdown, measure, targets
+from jaxtrain import hardware as targets
+from jaxtrain.ops import weight_cast
+from jaxtrain.train import memory_breakdown as breakdown, measure
 from tests.helpers import small_config
 
 
@@ -75,7 +76,7 @@ def _bf16_weight_stacks_at_peak(monkeypatch, cast):
   target = targets.parse("v5p-8")
   if targets.compiler_missing(target):
     pytest.skip(targets.compiler_missing(target))
-  monkeypatch.setattr("jaxtrain.peft.projection.to_compute_dtype", cast)
+  monkeypatch.setattr("jaxtrain.ops.projection.to_compute_dtype", cast)
   # Weights large enough for libtpu to make the copies (at D=64 it does not).
   config = small_config(remat_policy="full", d_model=256, mlp_dim=1024, head_dim=32)
   config.mesh.fsdp, config.train.global_batch_size = 4, 4

@@ -1,4 +1,5 @@
-"""Tests for jaxtrain.metrics: parameter/FLOP counts, peak lookup, MFU and the metric writers."""
+"""Tests for jaxtrain.train.metrics: parameter/FLOP counts, peak lookup, MFU and the metric
+writers."""
 
 import glob
 import json
@@ -10,9 +11,9 @@ import numpy as np
 import pytest
 
 from jaxtrain import config as config_lib
-from jaxtrain import metrics
 from jaxtrain.models import cost
 from jaxtrain.models.config import architecture_of
+from jaxtrain.train import metrics
 
 
 def _model(**fields):

@@ -12,11 +12,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import config as config_lib
-from jaxtrain.parallel import mesh as mesh_lib
-from jaxtrain import metrics
-from jaxtrain.parallel.mesh import LOGICAL_RULES
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.sharding import abstract_model, create_model, init_params_fn
+from jaxtrain.models.sharding import abstract_model, create_model, init_params_fn
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.parallel.mesh import LOGICAL_RULES
+from jaxtrain.train import metrics
 
 B, T = 2, 16
 CFG = ModelConfig.of(vocab_size=128, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jaxtrain.grouped_matmul import grouped_matmul
 from jaxtrain.models import cost
 from jaxtrain.models.config import Architecture
 from jaxtrain.models.moe import Routing, moe_layer
+from jaxtrain.ops.grouped_matmul import grouped_matmul
 from jaxtrain.parallel.mesh import logical_to_spec
 from tests.helpers import assert_one_line_config_error, mesh_of, small_config
 from tests.moe_helpers import with_changes

@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.dryrun import measure, targets
-from jaxtrain.grouped_matmul import resolve_impl
+from jaxtrain import hardware as targets
 from jaxtrain.interop import hf
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.sharding import create_model
+from jaxtrain.models.sharding import create_model
+from jaxtrain.ops.grouped_matmul import resolve_impl
+from jaxtrain.train import measure
 from tests.moe_helpers import on_short_rows
 from tests.helpers import (REPO, absl_cli_module, assert_curves_close, cli_curves, mesh_of,
                           metrics_records, run_cli, run_entry, train_curves)
@@ -142,7 +143,7 @@ def test_lora_on_experts_qlora_and_dpo_fine_tune_an_moe_model(tmp_path):
   assert "4 experts" in out and "adapter params" in out and "stored nf4" in out
   assert lora_evals[-1]["eval_loss"] < evals[-1]["eval_loss"] - 0.01, lora_evals
 
-  with absl_cli_module("jaxtrain.generate_cli") as generate_cli:
+  with absl_cli_module("jaxtrain.generate.cli") as generate_cli:
     merged, _ = generate_cli.load(str(tmp_path / "qlora_tiny"))
   proc = run_entry(hf.main, "export", f"--checkpoint={tmp_path / 'qlora_tiny'}",
                    f"--out={tmp_path / 'hf'}")

@@ -17,11 +17,11 @@ import pytest
 from etils import epath
 
 from jaxtrain import data, distributed
-from jaxtrain.checkpoint import DataShardsHandler, DataShardsRestore, DataShardsSave
+from jaxtrain.checkpointing.checkpointer import DataShardsHandler, DataShardsRestore, DataShardsSave
 from jaxtrain.config import ConfigError
-from jaxtrain.config_checks import validate
 from jaxtrain.data import shards
 from jaxtrain.parallel.mesh import batch_rows_by_process, make_mesh
+from jaxtrain.validation.checks import validate
 from tests.conftest import FAST_XLA_FLAG
 from tests.helpers import (REPO, SMALL_TINY_ARGS, assert_curves_close,
                            assert_one_line_config_error, main_command, run_cli, small_config)

@@ -1,4 +1,4 @@
-"""MXFP8 matmuls (jaxtrain/mxfp8.py): power-of-two block scales within e4m3's bounds, gradients,
+"""MXFP8 matmuls (jaxtrain/ops/mxfp8.py): power-of-two block scales within e4m3's bounds, gradients,
 meshes, a model's first-step gradient, the refusals, and the B200 deviceless compile."""
 
 import jax
@@ -13,7 +13,7 @@ from tests.helpers import mesh_of, train_curves
 def _block_bound(a, axis):
   """Per-element rounding bound of MXFP8 along `axis`: e4m3's relative unit, and half the
   subnormal spacing relative to the element's own block scale (the block's power of two)."""
-  from jaxtrain import mxfp8  # pylint: disable=import-outside-toplevel
+  from jaxtrain.ops import mxfp8  # pylint: disable=import-outside-toplevel
   a = np.asarray(a, np.float64)
   moved = np.moveaxis(a, axis, -1)
   blocks = moved.reshape(*moved.shape[:-1], -1, mxfp8.BLOCK)
@@ -24,7 +24,7 @@ def _block_bound(a, axis):
 
 
 def test_mxfp8_blocks_scale_by_powers_of_two_and_stay_within_e4m3():
-  from jaxtrain import mxfp8  # pylint: disable=import-outside-toplevel
+  from jaxtrain.ops import mxfp8  # pylint: disable=import-outside-toplevel
   x = jnp.asarray(np.concatenate([np.full((2, 32), 1e-3), np.linspace(-900, 900, 64).reshape(2, 32),
                                   np.zeros((2, 32))], axis=1), jnp.float32)
   q, s = mxfp8.quantize(x, axis=1)
@@ -39,7 +39,7 @@ def test_mxfp8_blocks_scale_by_powers_of_two_and_stay_within_e4m3():
 
 
 def test_mxfp8_matmul_and_gradients_within_block_bounds():
-  from jaxtrain import mxfp8  # pylint: disable=import-outside-toplevel
+  from jaxtrain.ops import mxfp8  # pylint: disable=import-outside-toplevel
   x, w = operands(4, n=64, i=96, o=64)
   g = jnp.asarray(np.random.default_rng(5).normal(size=(64, 64)), jnp.float32)
   y, vjp = jax.vjp(lambda a, b: mxfp8.matmul(a, b, jnp.float32), x, w)
@@ -54,11 +54,11 @@ def test_mxfp8_matmul_and_gradients_within_block_bounds():
 
 
 def test_mxfp8_over_a_mesh_computes_what_one_device_computes():
-  """The block-scaled matmul partitioned over a mesh (jaxtrain/mxfp8.py `_partition`): weights
+  """The block-scaled matmul partitioned over a mesh (jaxtrain/ops/mxfp8.py `_partition`): weights
   gathered along fsdp, contractions split over `tensor` summed across it, the weight gradient
   summed over the token axes. Every 32-block stays whole on one device, so each device quantizes
   exactly the blocks one device would: only the order of the sums differs."""
-  from jaxtrain import mxfp8  # pylint: disable=import-outside-toplevel
+  from jaxtrain.ops import mxfp8  # pylint: disable=import-outside-toplevel
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
   x, w = operands(6, n=128, i=128, o=64)
   loss = jax.jit(jax.value_and_grad(
@@ -108,7 +108,8 @@ def test_llama8b_mxfp8_step_for_b200x8_multiplies_every_projection_block_scaled(
   (fsdp=8): it fits, and the scanned layer's 7 projections are cuDNN block-scaled GEMMs three
   times each (the forward and the two gradients), none of them recomputed (their outputs are
   saved by name); only the head's 3 matmuls remain plain dots."""
-  from jaxtrain.dryrun import hlo_dots, targets  # pylint: disable=import-outside-toplevel
+  from jaxtrain.dryrun import hlo_dots
+  from jaxtrain import hardware as targets  # pylint: disable=import-outside-toplevel
   from tests.helpers import run_cli  # pylint: disable=import-outside-toplevel
   missing = targets.compiler_missing(targets.parse("b200x8"))
   if missing:

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import checkpoint_mirror, checkpoint_weights, data, storage
+from jaxtrain import data, storage
+from jaxtrain.checkpointing import mirror as checkpoint_mirror, weights as checkpoint_weights
 from jaxtrain.data import sources
 from jaxtrain.data.prepare import prepare
 from tests.data_helpers import assert_reads_like, make_docs, write_jsonl

@@ -1,7 +1,7 @@
 """A live run on a bucket and what reads it or pushes to it at the same time, against the S3
 server the tests start on the loopback interface (tests/object_store.py).
 
-Retention (checkpoint_mirror.py) deletes a step marker first, and the readers of a run's newest
+Retention (checkpointing/mirror.py) deletes a step marker first, and the readers of a run's newest
 step (init_from, `python -m jaxtrain.generate`, the Hugging Face export) that find it removed
 while they read it read the then newest complete step instead, once, with a note. A bucket
 workdir's pushes (run_directory.py) send each byte about once: closed TensorBoard event files
@@ -19,11 +19,14 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from jaxtrain import checkpoint_mirror, checkpoint_weights, metrics, run_directory, storage
+from jaxtrain import storage
+from jaxtrain.checkpointing import mirror as checkpoint_mirror, run_directory
+from jaxtrain.checkpointing import weights as checkpoint_weights
 from jaxtrain.interop import hf, hf_storage
 from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.sharding import abstract_model, init_params
 from jaxtrain.parallel.mesh import make_mesh
-from jaxtrain.sharding import abstract_model, init_params
+from jaxtrain.train import metrics
 from tests.helpers import absl_cli_module, assert_same_safetensors, small_config
 from tests.object_store import s3_server
 
@@ -175,7 +178,7 @@ def test_generate_from_a_live_run_reads_the_next_step_when_retention_removes_one
   url = _live_run(s3, "generate", local_steps)
   retention_during_download(url, local_steps)
   # `python -m jaxtrain.generate --checkpoint=URL`'s loading (its flags kept apart from main's).
-  with absl_cli_module("jaxtrain.generate_cli") as generate_cli:
+  with absl_cli_module("jaxtrain.generate.cli") as generate_cli:
     model, _ = generate_cli.load(url)
     _assert_note(capsys, url)
     want, _ = generate_cli.load(local_steps[12])

@@ -1,5 +1,5 @@
-"""Runs that live on a bucket (--workdir=s3://..., jaxtrain/run_directory.py and
-checkpoint_mirror.py), against the S3 server the tests start on the loopback interface
+"""Runs that live on a bucket (--workdir=s3://..., jaxtrain/checkpointing/run_directory.py and
+checkpointing/mirror.py), against the S3 server the tests start on the loopback interface
 (tests/object_store.py): a corpus prepared from raw files on the bucket to the bucket, trained
 from there with checkpoints on the bucket, SIGKILLed and resumed on a machine that has lost its
 local files, continues bitwise like an uninterrupted local run; a checkpoint whose upload was cut short is never
@@ -19,7 +19,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import checkpoint, checkpoint_mirror, checkpoint_weights, storage
+from jaxtrain import storage
+from jaxtrain.checkpointing import checkpointer as checkpoint, mirror as checkpoint_mirror
+from jaxtrain.checkpointing import weights as checkpoint_weights
 from jaxtrain.data import prepare
 from tests.data_helpers import make_docs, write_jsonl
 from tests.helpers import (REPO, SMALL_TINY_ARGS, main_command, main_env, run_cli, run_generate,

@@ -4,9 +4,10 @@ meter, the run table and the dry run all read."""
 import jax.numpy as jnp
 import pytest
 
-from jaxtrain import metrics, objectives
+from jaxtrain import objectives
 from jaxtrain.models.config import architecture_of
-from jaxtrain.dryrun import measure
+from jaxtrain.train import measure
+from jaxtrain.train import metrics
 from tests.helpers import small_config
 
 

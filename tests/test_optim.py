@@ -7,8 +7,8 @@ import optax
 
 from jaxtrain.config import default_config
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.optim import learning_rate_schedule, make_optimizer, weight_decay_mask
-from jaxtrain.sharding import abstract_model
+from jaxtrain.models.sharding import abstract_model
+from jaxtrain.train.optim import learning_rate_schedule, make_optimizer, weight_decay_mask
 from tests.helpers import mesh_of, small_config
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.config import ConfigError
-from jaxtrain.config_checks import validate
+from jaxtrain.validation.checks import validate
 from tests.helpers import small_config, train_curves
 
 

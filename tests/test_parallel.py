@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import train_setup, trainer
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.sharding import abstract_model, init_params
-from jaxtrain.train_step import make_grad_fn
+from jaxtrain.models.sharding import abstract_model, init_params
+from jaxtrain.train import setup as train_setup, loop as trainer
+from jaxtrain.train.step import make_grad_fn
 from tests.helpers import assert_curves_close, mesh_of, packed_batch, small_config
 
 # (mesh, attention.context_parallel). The stage mesh: pipeline stages (2 microbatches, the

@@ -13,12 +13,14 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import peft
 from jaxtrain.config import LORA_TARGETS, load_config_file
-from jaxtrain.parallel.mesh import LOGICAL_RULES
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.decoder import Decoder
-from jaxtrain.sharding import abstract_model
+from jaxtrain.models.sharding import abstract_model
+from jaxtrain.ops import quantize
+from jaxtrain.parallel.mesh import LOGICAL_RULES
+from jaxtrain.peft import lora as lora_lib
+from jaxtrain.peft import state as peft_state
 from tests.helpers import mesh_of, small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +48,7 @@ def _one_device():
 def _split(cfg):
   """(graphdef, abstract adapters, abstract rest) of model `cfg`: shapes only, no compile."""
   with _one_device():
-    return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), peft.Adapter, ...)
+    return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), lora_lib.Adapter, ...)
 
 
 def _graphdef(cfg):
@@ -90,7 +92,7 @@ def _base(scan_layers=True):
   return _init_plain(BASE.replace(scan_layers=scan_layers))
 
 
-_frozen = jax.jit(peft.frozen_from_base, static_argnums=1)
+_frozen = jax.jit(peft_state.frozen_from_base, static_argnums=1)
 
 
 def _lora_model(cfg, base_params, seed=1, random_b=False):
@@ -112,7 +114,7 @@ def _flat(state):
 
 def test_from_config_maps_lora_group():
   config = small_config()
-  assert ModelConfig.from_config(config) == peft.plain_config(ModelConfig.from_config(config))
+  assert ModelConfig.from_config(config) == peft_state.plain_config(ModelConfig.from_config(config))
   config.lora.rank, config.lora.alpha, config.lora.dropout = 8, 32.0, 0.1
   config.lora.targets, config.lora.quantize_base, config.lora.quant_group_size = \
       "v,q,down", "nf4", 32
@@ -122,26 +124,26 @@ def test_from_config_maps_lora_group():
   assert (cfg.peft.base_quant, cfg.peft.quant_group_size) == ("nf4", 32)
   config.lora.rank = 0
   config.lora.quantize_base = "none"
-  assert ModelConfig.from_config(config) == peft.plain_config(cfg)
+  assert ModelConfig.from_config(config) == peft_state.plain_config(cfg)
 
 
 def test_adapter_is_not_a_param():
   # nnx.LoRAParam subclasses Param, which is why adapters have a type of their own.
   assert issubclass(nnx.LoRAParam, nnx.Param)
-  assert not issubclass(peft.Adapter, nnx.Param)
-  assert not issubclass(peft.Quantized, (nnx.Param, peft.Adapter))
+  assert not issubclass(lora_lib.Adapter, nnx.Param)
+  assert not issubclass(quantize.Quantized, (nnx.Param, lora_lib.Adapter))
   with _one_device():
     model = nnx.eval_shape(lambda: Decoder(_lora(quant="nf4"), rngs=nnx.Rngs(0)))
   params = nnx.state(model, nnx.Param)
-  adapters = nnx.state(model, peft.trainable_filter(model.cfg))
-  quantized = nnx.state(model, peft.Quantized)
+  adapters = nnx.state(model, peft_state.trainable_filter(model.cfg))
+  quantized = nnx.state(model, quantize.Quantized)
   leaves = lambda s: jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, nnx.Variable))  # noqa
   assert all(type(v) is nnx.Param for v in leaves(params))
-  assert all(type(v) is peft.Adapter for v in leaves(adapters))
-  assert all(type(v) is peft.Quantized for v in leaves(quantized))
+  assert all(type(v) is lora_lib.Adapter for v in leaves(adapters))
+  assert all(type(v) is quantize.Quantized for v in leaves(quantized))
   assert len(leaves(params)) == 5  # embedding, head, final norm, the two (stacked) block norms
   assert len(leaves(adapters)) == 2 * 7 and len(leaves(quantized)) == 2 * 7
-  assert peft.trainable_filter(BASE) is nnx.Param
+  assert peft_state.trainable_filter(BASE) is nnx.Param
 
 
 def test_adapters_float32_over_a_bfloat16_base():
@@ -149,7 +151,7 @@ def test_adapters_float32_over_a_bfloat16_base():
   _, adapters, frozen = _split(cfg)
   assert {x.dtype for x in jax.tree.leaves(adapters)} == {jnp.dtype(jnp.float32)}
   assert {x.dtype for x in jax.tree.leaves(frozen)} == {jnp.dtype(jnp.bfloat16)}
-  counts = peft.parameter_counts(cfg)
+  counts = peft_state.parameter_counts(cfg)
   assert counts.trainable_bytes == 4 * counts.trainable
   assert counts.frozen_bytes == 2 * (counts.total - counts.trainable)
 
@@ -176,9 +178,9 @@ def test_bad_model_configs_are_named(change, match):
 
 def test_adapter_init_and_axes():
   with _one_device():
-    lora = peft.LoRA("o", "wo_HED", (4, 16, 64), ("heads", "head_dim", "embed"), 2, 8, 16.0,
+    lora = lora_lib.LoRA("o", "wo_HED", (4, 16, 64), ("heads", "head_dim", "embed"), 2, 8, 16.0,
                      0.0, jnp.float32, nnx.Rngs(0))
-    assert peft.adapter(_lora(targets=("q",)).peft, nnx.Rngs(0), "o", "wo_HED", (4, 16, 64),
+    assert lora_lib.adapter(_lora(targets=("q",)).peft, nnx.Rngs(0), "o", "wo_HED", (4, 16, 64),
                         ("heads", "head_dim", "embed"), 2) is None
   a, b = np.asarray(lora.a_IR[...]), np.asarray(lora.b_RO[...])
   assert a.shape == (4, 16, 8) and b.shape == (8, 64)
@@ -205,10 +207,11 @@ def test_lora_equals_merged_plain_model(scan_layers):
   cfg = _lora(BASE.replace(scan_layers=scan_layers))
   graphdef, adapters, frozen = _lora_model(cfg, params, random_b=True)
   got = _logits(graphdef, (adapters, frozen), _tokens())
-  merged = jax.jit(lambda a, f: peft.merged_params(nnx.merge(graphdef, a, f)))(adapters, frozen)
+  merge = lambda a, f: peft_state.merged_params(nnx.merge(graphdef, a, f))
+  merged = jax.jit(merge)(adapters, frozen)
   # The merged tree is the plain model's: same paths, shapes, dtypes, logical axes.
   with _one_device():
-    abstract = nnx.state(nnx.eval_shape(lambda: Decoder(peft.plain_config(cfg),
+    abstract = nnx.state(nnx.eval_shape(lambda: Decoder(peft_state.plain_config(cfg),
                                                       rngs=nnx.Rngs(0))))
   assert jax.tree.structure(merged) == jax.tree.structure(abstract)
   for m, a in zip(jax.tree.leaves(merged, is_leaf=lambda x: isinstance(x, nnx.Variable)),
@@ -245,8 +248,8 @@ def test_grads_only_on_adapters_of_the_targets():
       BASE.arch.mlp_dim, 4
   formula = L * r * ((D + H * E) + (H * E + D) + (F + D))
   assert sum(v.size for v in g.values()) == formula
-  counts = peft.parameter_counts(cfg)
-  plain = peft.parameter_counts(BASE)
+  counts = peft_state.parameter_counts(cfg)
+  plain = peft_state.parameter_counts(BASE)
   assert counts.trainable == formula and counts.trainable_bytes == 4 * formula
   assert counts.total == plain.total + formula and plain.trainable == plain.total
   assert counts.frozen_bytes == 4 * plain.total and plain.frozen_bytes == 0
@@ -295,7 +298,7 @@ def test_qlora_model_close_to_base_and_small(scheme, ratio):
   rel = float(jnp.sqrt(jnp.mean((got - want) ** 2) / jnp.mean((want - want.mean()) ** 2)))
   # Bytes of the quantized projections vs the same weights in float32.
   stored = sum(v.size * v.dtype.itemsize for v in jax.tree.leaves(nnx.state(frozen,
-                                                                              peft.Quantized)))
+                                                                              quantize.Quantized)))
   weights = sum(v.size for p, v in _flat(params).items() if "'attn'" in p or "'mlp'" in p)
   print(f"\n{scheme}: logits max abs error {err:.2e}, relative RMS {rel:.3f} "
         f"(logits std {float(want.std()):.3f}); projections {stored} bytes vs "
@@ -304,7 +307,8 @@ def test_qlora_model_close_to_base_and_small(scheme, ratio):
   # About the weights' own relative error (round-trip test): 0.006 int8, 0.09-0.11 4-bit.
   assert rel < {"int8": 0.02, "int4": 0.2, "nf4": 0.2}[scheme]
   # The QLoRA state merges back to the dequantized base (adapters still zero).
-  merged = jax.jit(lambda a, f: peft.merged_params(nnx.merge(lgraphdef, a, f)))(adapters, frozen)
+  merge = lambda a, f: peft_state.merged_params(nnx.merge(lgraphdef, a, f))
+  merged = jax.jit(merge)(adapters, frozen)
   np.testing.assert_allclose(np.asarray(_logits(graphdef, (merged,), _tokens())),
                              np.asarray(got), atol=1e-5)
 
@@ -312,7 +316,7 @@ def test_qlora_model_close_to_base_and_small(scheme, ratio):
 def test_frozen_from_base_rejects_another_layout():
   _, unrolled = _base(scan_layers=False)
   with pytest.raises(ValueError, match=r"not those of the plain model \(scan_layers=True\)"):
-    peft.frozen_from_base(unrolled, _lora())
+    peft_state.frozen_from_base(unrolled, _lora())
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,7 +353,7 @@ def test_dropout_same_under_unrolled_layers_and_remat():
   ucfg = cfg.replace(scan_layers=False, remat_policy="full")
   with _one_device():
     ugraphdef, *abstract = nnx.split(nnx.eval_shape(lambda: Decoder(ucfg, rngs=nnx.Rngs(0))),
-                                     peft.Adapter, ...)
+                                     lora_lib.Adapter, ...)
   unrolled = []
   for state, target in zip((adapters, frozen), abstract):
     pure = nnx.to_pure_dict(state)
@@ -388,19 +392,19 @@ def test_sharded_forward_matches_one_device(scheme):
     assert layers["mlp"]["w_down_FD"]["scales"].sharding.spec == P("stage", "tensor", ("fsdp", "context", "expert"))
   assert layers["attn"]["lora_o"]["a_IR"].sharding.spec == P("stage", "tensor", None, None)
   assert layers["mlp"]["lora_gate"]["b_RO"].sharding.spec == P("stage", None, "tensor")
-  assert peft.check_mesh(cfg, mesh)
+  assert peft_state.check_mesh(cfg, mesh)
 
   graphdef, adapters, frozen = _lora_model(cfg, _base()[1], random_b=True)
   tokens = np.concatenate([_tokens(0), _tokens(1)])  # batch 4: splits over (data, fsdp)
   want = _logits(graphdef, (adapters, frozen), tokens)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_RULES):
     _, abstract_adapters, abstract_frozen = nnx.split(
-        nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), peft.Adapter, ...)
+        nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), lora_lib.Adapter, ...)
     adapter_shardings = nnx.get_named_sharding(abstract_adapters, mesh)
     frozen_shardings = nnx.get_named_sharding(abstract_frozen, mesh)
   host = lambda state: jax.tree.map(np.asarray, state)  # noqa: E731  (off device 0)
   with jax.set_mesh(mesh):
-    frozen = jax.jit(peft.frozen_from_base, static_argnums=1,
+    frozen = jax.jit(peft_state.frozen_from_base, static_argnums=1,
                      out_shardings=frozen_shardings)(host(_base()[1]), cfg)
     adapters = jax.device_put(host(adapters), adapter_shardings)
     got = _logits(graphdef, (adapters, frozen), tokens)
@@ -415,7 +419,7 @@ def test_mesh_too_wide_for_the_groups_is_named():
   cfg = _lora(quant="nf4", group=64)  # D=64: one group along embed
   with pytest.raises(ValueError, match=r"quant_group_size=64: .*fsdp.*use "
                                        r"lora.quant_group_size=8"):
-    peft.check_mesh(cfg, mesh_of((1, 8, 1)))
+    peft_state.check_mesh(cfg, mesh_of((1, 8, 1)))
 
 
 def _config_file(name, **lora):
@@ -430,12 +434,12 @@ def _config_file(name, **lora):
 def test_tiny_config_shardings(mesh_shape):
   cfg = _config_file("tiny", rank=8, quantize_base="nf4", quant_group_size=16)
   _assert_valid_shardings(cfg, mesh_of(mesh_shape))
-  peft.check_mesh(cfg, mesh_of(mesh_shape))
+  peft_state.check_mesh(cfg, mesh_of(mesh_shape))
 
 
 def test_llama8b_qlora_sizes_and_shardings():
   cfg = _config_file("llama8b", rank=16, quantize_base="nf4", quant_group_size=64)
-  counts = peft.parameter_counts(cfg)
+  counts = peft_state.parameter_counts(cfg)
   L, D, KE, F, r = 32, 4096, 8 * 128, 14336, 16
   trainable = L * r * (2 * (D + D) + 2 * (D + KE) + 3 * (D + F))
   quantized = L * (2 * D * D + 2 * D * KE + 3 * D * F)
@@ -450,7 +454,7 @@ def test_llama8b_qlora_sizes_and_shardings():
         f"{quantized // 2 + quantized // 64 * 4:,} B), total {counts.total:,}")
   for mesh_shape in [(1, 8, 1), (2, 2, 2)]:
     mesh = mesh_of(mesh_shape)
-    peft.check_mesh(cfg, mesh)
+    peft_state.check_mesh(cfg, mesh)
     abstract = _assert_valid_shardings(cfg, mesh)
     per_device = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
                      for a in jax.tree.leaves(abstract))

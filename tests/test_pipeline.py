@@ -153,7 +153,8 @@ def test_dpo_with_lora_adapters_under_stages_equals_one_device():
   """Adapters train, the frozen base (the DPO reference) runs through the same pipeline, and the
   chosen and rejected rows travel in the microbatches: per-step losses and grad norms equal one
   device's."""
-  from jaxtrain import train_setup, trainer  # pylint: disable=import-outside-toplevel
+  from jaxtrain.train import loop as trainer  # pylint: disable=import-outside-toplevel
+  from jaxtrain.train import setup as train_setup  # pylint: disable=import-outside-toplevel
 
   def curves(shape, microbatches):
     config = lora_config(objective="dpo")
@@ -182,8 +183,8 @@ def test_fsdp_gathers_each_weight_once_per_step_with_gather_weights_once():
   iteration and pass (forward, and the backward pass's recompute); gathered once, fewer than
   two gathers per weight remain. Either way the 9 stacked leaves move to the circular order
   with one all-to-all each per step, never per iteration."""
-  from jaxtrain.dryrun.hlo_flops import executed_ops  # pylint: disable=import-outside-toplevel
-  from jaxtrain.dryrun.measure import compile_step  # pylint: disable=import-outside-toplevel
+  from jaxtrain.train.hlo_flops import executed_ops  # pylint: disable=import-outside-toplevel
+  from jaxtrain.train.measure import compile_step  # pylint: disable=import-outside-toplevel
   gathers, all_to_alls = {}, {}
   for once in (False, True):
     config = _config(stage=2, fsdp=4, microbatches=4, repeats=2, gather_weights_once=once)
@@ -266,7 +267,7 @@ def test_cli_circular_run_logs_one_device_losses_and_checkpoints_cross_meshes(tm
 
 @pytest.mark.slow
 def test_llama70b_with_four_stages_compiles_for_h100x64():
-  from jaxtrain.dryrun import targets  # pylint: disable=import-outside-toplevel
+  from jaxtrain import hardware as targets  # pylint: disable=import-outside-toplevel
   missing = targets.compiler_missing(targets.parse("h100x64"))
   if missing:
     pytest.skip(missing)
@@ -286,7 +287,7 @@ def test_remat_by_name_saves_the_projections_under_the_stage_vmap(capsys, by_nam
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from jaxtrain.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
   from jaxtrain.models.remat import remat_policy  # pylint: disable=import-outside-toplevel
-  from jaxtrain.sharding import create_model  # pylint: disable=import-outside-toplevel
+  from jaxtrain.models.sharding import create_model  # pylint: disable=import-outside-toplevel
   cfg = ModelConfig.of(vocab_size=53, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                     head_dim=8, mlp_dim=64, max_position_embeddings=64)
   graphdef, layers = nnx.split(create_model(cfg, mesh_of((1, 1, 1))).layers)

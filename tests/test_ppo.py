@@ -1,10 +1,11 @@
-"""PPO's math (jaxtrain/ppo.py) against plain numpy loops written from the formulas."""
+"""PPO's math (jaxtrain/objectives/ppo/loss.py) against plain numpy loops written from the
+formulas."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import ppo
+from jaxtrain.objectives.ppo import loss as ppo
 
 
 def _rows(seed, b=4, t=12):
@@ -108,7 +109,7 @@ def test_a_value_head_sits_beside_the_vocabulary_head():
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from jaxtrain.models import cost  # pylint: disable=import-outside-toplevel
   from jaxtrain.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
-  from jaxtrain.sharding import create_model  # pylint: disable=import-outside-toplevel
+  from jaxtrain.models.sharding import create_model  # pylint: disable=import-outside-toplevel
   from tests.helpers import mesh_of  # pylint: disable=import-outside-toplevel
   cfg = ModelConfig.of(vocab_size=61, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                        head_dim=8, mlp_dim=64, max_position_embeddings=64, value_head=True)

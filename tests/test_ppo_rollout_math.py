@@ -1,13 +1,15 @@
-"""PPO's rollout preparation (jaxtrain/ppo_rollouts.py with the math of jaxtrain/ppo.py) against
-a plain-numpy reference written per completion token from the PPO-for-language-models
-definitions, on hand-made rollouts: prompts of different lengths, completions that stop at an
-early EOS (tokens sampled after it belong to no row), at the last token or not at all.
+"""PPO's rollout preparation (jaxtrain/objectives/ppo/rollouts.py with the math of
+jaxtrain/objectives/ppo/loss.py) against a plain-numpy reference written per completion token from
+the PPO-for-language-models definitions, on hand-made rollouts: prompts of different lengths,
+completions that stop at an early EOS (tokens sampled after it belong to no row), at the last token
+or not at all.
 
 The reference works on each completion's own tokens. The tests of the pure functions read the
 training rows only through their documented layout (completion token k of a row whose prompt
-has p tokens at row position p-1+k, checked against jaxtrain.rollouts.training_rows); the test
-through the model does not use the layout at all. For a row whose prompt has p tokens and whose
-completion is z[p], ..., z[p+c-1] (c counts the EOS):
+has p tokens at row position p-1+k, checked against
+jaxtrain.objectives.grpo.rollouts.training_rows); the test through the model does not use the layout
+at all. For a row whose prompt has p tokens and whose completion is z[p], ..., z[p+c-1] (c counts
+the EOS):
 
   old_k, ref_k  log π(z[p+k] | z[:p+k]): the policy's (reference's) logits at sequence position
                 p+k-1, the softmax of logits / grpo.temperature over the tokenizer's ids
@@ -31,8 +33,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jaxtrain import ppo
-from jaxtrain.rollouts import completion_lengths, training_rows
+from jaxtrain.objectives.grpo.rollouts import completion_lengths, training_rows
+from jaxtrain.objectives.ppo import loss as ppo
 
 EOS = 2
 
@@ -97,8 +99,8 @@ def _made_up_rows(seed=0):
 
 def _per_token(x_BT, i, p, c):
   """Row i's completion tokens' entries of a [B, T] array in the rows' layout: the action at row
-  position t is targets[t] (jaxtrain.rollouts.training_rows), so completion token k of a row
-  whose prompt has p tokens is at row position p - 1 + k."""
+  position t is targets[t] (jaxtrain.objectives.grpo.rollouts.training_rows), so completion token k
+  of a row whose prompt has p tokens is at row position p - 1 + k."""
   return np.asarray(x_BT[i, p - 1:p - 1 + c], np.float64)
 
 
@@ -166,7 +168,7 @@ def ppo_feeder(tmp_path_factory):
   """configs/ppo_tiny.py on a 2-layer model: 8 prompts per batch of rollouts (4 per step,
   2 minibatches, 4 epochs), a KL penalty, γ and λ below 1; the policy's weights moved away from
   the reference's (the initial ones), so the penalty is not 0."""
-  from jaxtrain import train_setup  # pylint: disable=import-outside-toplevel
+  from jaxtrain.train import setup as train_setup  # pylint: disable=import-outside-toplevel
   from jaxtrain.data import prompts  # pylint: disable=import-outside-toplevel
   from tests.helpers import mesh_of, shipped_config  # pylint: disable=import-outside-toplevel
   config = shipped_config("ppo_tiny", **{

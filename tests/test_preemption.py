@@ -6,7 +6,7 @@ import signal
 
 from jax.experimental import multihost_utils
 
-from jaxtrain import trainer
+from jaxtrain.train import loop as trainer
 
 
 def test_single_process_stops_on_sigterm_and_restores_handlers():

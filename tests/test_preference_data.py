@@ -8,7 +8,7 @@ import pytest
 from jaxtrain.data.preference import PreferenceRows, RecordSubset, preference_dataset
 from jaxtrain.data.sources import DataError, JsonlSource
 from jaxtrain.data.tokenizer import load_tokenizer
-from jaxtrain.dpo import BATCH_KEYS
+from jaxtrain.objectives.dpo.loss import BATCH_KEYS
 
 TOK = load_tokenizer("byte")
 RECORDS = [{"prompt": f"Q{i}: 2+2?", "chosen": " 4", "rejected": " five" * (i % 3 + 1)}

@@ -2,9 +2,9 @@
 
 import pytest
 
-from jaxtrain import preflight
-from jaxtrain.dryrun import measure
-from jaxtrain.train_setup import abstract_state, build
+from jaxtrain.train import measure
+from jaxtrain.train import preflight
+from jaxtrain.train.setup import abstract_state, build
 from tests.helpers import mesh_of, small_config
 
 

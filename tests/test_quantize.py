@@ -1,4 +1,4 @@
-"""QLoRA's weight quantization on its own (jaxtrain.peft.quantize): NF4 levels, round-trip
+"""QLoRA's weight quantization on its own (jaxtrain.ops.quantize): NF4 levels, round-trip
 error bounds, packing, and the errors for shapes it cannot quantize."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.peft import quantize as quant
+from jaxtrain.ops import quantize as quant
 
 _quantize = jax.jit(quant.quantize, static_argnums=(1, 2, 3))
 _dequantize = jax.jit(quant.dequantize, static_argnums=(2, 3, 4))

@@ -246,7 +246,8 @@ def test_init_from_another_runs_checkpoint(tmp_path, uninterrupted):
 def test_a_checkpointer_that_saved_nothing_leaves_no_empty_directories(tmp_path):
   """A run refused for bad data in its first batch (after the checkpointer opened) removes the
   directories the checkpointer created, and only those."""
-  from jaxtrain.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from jaxtrain.checkpointing.checkpointer import (  # pylint: disable=import-outside-toplevel
+      Checkpointer)
   unused = Checkpointer(str(tmp_path / "new_workdir" / "checkpoints"), every_steps=1)
   assert (tmp_path / "new_workdir" / "checkpoints").is_dir()
   unused.close_unused()

@@ -1,5 +1,6 @@
-"""Reward models (jaxtrain/reward.py): the score head, the reward at a sequence's last real token,
-the Bradley-Terry loss and its metrics against numpy, and reward_tiny's training."""
+"""Reward models (jaxtrain/objectives/reward/loss.py): the score head, the reward at a sequence's
+last real token, the Bradley-Terry loss and its metrics against numpy, and reward_tiny's
+training."""
 
 import functools
 import json
@@ -11,10 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import reward
 from jaxtrain.models import cost
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.sharding import create_model
+from jaxtrain.models.sharding import create_model
+from jaxtrain.objectives.reward import loss as reward
 from tests.helpers import assert_one_line_config_error, mesh_of, run_cli, shipped_config
 
 CFG = ModelConfig.of(vocab_size=61, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,

@@ -6,14 +6,14 @@ import math
 import numpy as np
 import pytest
 
-from jaxtrain import rewards
+from jaxtrain.objectives.grpo import rewards
 
 
 def test_resolve_names_what_is_missing():
-  assert rewards.resolve("jaxtrain.rewards:exact_match") is rewards.exact_match
+  assert rewards.resolve("jaxtrain.objectives.grpo.rewards:exact_match") is rewards.exact_match
   for name, words in [("exact_match", "module:function"),
                       ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
-                      ("jaxtrain.rewards:nope", "has no function 'nope'")]:
+                      ("jaxtrain.objectives.grpo.rewards:nope", "has no function 'nope'")]:
     with pytest.raises(ValueError, match=words):
       rewards.resolve(name)
 

@@ -12,14 +12,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import checkpoint_weights
-from jaxtrain import peft, reward, run_weights
+from jaxtrain.checkpointing import weights as checkpoint_weights
 from jaxtrain.data import formats
 from jaxtrain.data.documents import tokenizer_for
 from jaxtrain.data.preference import pair_rows
+from jaxtrain.interop import run_weights
 from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.sharding import abstract_model, init_params_fn
 from jaxtrain.models.variables import Head
-from jaxtrain.sharding import abstract_model, init_params_fn
+from jaxtrain.objectives.reward import loss as reward
+from jaxtrain.peft import state as peft_state
 from tests.helpers import REPO, mesh_of, run_cli
 
 CFG = ModelConfig.of(vocab_size=61, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
@@ -36,7 +38,7 @@ def test_under_lora_the_heads_train_and_start_from_the_base():
   lora = CFG.replace(lora_rank=4, lora_targets=("q", "v"))
   mesh = mesh_of((1, 1, 1))
   _, (abstract_trainable, abstract_frozen), _ = abstract_model(
-      lora, mesh, filters=(peft.trainable_filter(lora), ...))
+      lora, mesh, filters=(peft_state.trainable_filter(lora), ...))
   trainable = set(nnx.to_pure_dict(abstract_trainable))
   assert "score_D1" in trainable and "score_D1" not in nnx.to_pure_dict(abstract_frozen)
   # Master weights in float32 whatever the base's storage dtype.
@@ -44,8 +46,8 @@ def test_under_lora_the_heads_train_and_start_from_the_base():
   assert isinstance(bf16_head, Head) and bf16_head.dtype == jnp.float32
   with jax.set_mesh(mesh):
     fresh = jax.jit(init_params_fn(lora, trainable_only=True))(jax.random.key(0))
-    base = jax.jit(init_params_fn(peft.plain_config(lora)))(jax.random.key(1))
-    started = jax.jit(peft.heads_from_base)(fresh, base)
+    base = jax.jit(init_params_fn(peft_state.plain_config(lora)))(jax.random.key(1))
+    started = jax.jit(peft_state.heads_from_base)(fresh, base)
   np.testing.assert_array_equal(started["score_D1"][...], base["score_D1"][...])
   assert not np.array_equal(fresh["score_D1"][...], base["score_D1"][...])
   # The adapters are left as they were.

@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtrain import generate, grpo, objectives
+from jaxtrain import objectives
+from jaxtrain.generate import sampler as generate
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.rollouts import completion_lengths, training_rows
-from jaxtrain.sharding import create_model
-from jaxtrain.train_step import Frozen
+from jaxtrain.models.sharding import create_model
+from jaxtrain.objectives.forward import Frozen
+from jaxtrain.objectives.grpo import loss as grpo
+from jaxtrain.objectives.grpo.rollouts import completion_lengths, training_rows
 from tests.helpers import mesh_of, small_config
 
 TEMPERATURE, TOP_P = 0.7, 0.9

@@ -13,12 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import generate, grpo
 from jaxtrain.config import load_config_file
+from jaxtrain.generate import sampler as generate
 from jaxtrain.models import moe
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.rollouts import completion_lengths, training_rows
-from jaxtrain.sharding import create_model
+from jaxtrain.models.sharding import create_model
+from jaxtrain.objectives.grpo import loss as grpo
+from jaxtrain.objectives.grpo.rollouts import completion_lengths, training_rows
 from tests.helpers import REPO, assert_one_line_config_error, mesh_of, run_cli
 
 

@@ -8,9 +8,10 @@ import re
 
 import pytest
 
+from jaxtrain import hardware as targets
 from jaxtrain.config import load_config_file
-from jaxtrain.dryrun import check_configs, targets
-from jaxtrain.grouped_matmul import resolve_impl
+from jaxtrain.dryrun import check_configs
+from jaxtrain.ops.grouped_matmul import resolve_impl
 from tests.helpers import REPO, run_main
 
 SIZED_FOR_ACCELERATORS = ("llama3_1b", "llama3_3b", "llama8b", "llama70b", "llama405b",

@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import metrics
 from jaxtrain.config import load_config_file
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.sharding import abstract_model
+from jaxtrain.models.sharding import abstract_model
+from jaxtrain.train import metrics
 from tests.helpers import mesh_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,9 +14,11 @@ import re
 import jax
 import pytest
 
+from jaxtrain import hardware as targets
 from jaxtrain.config import ConfigError, load_config_file
-from jaxtrain.dryrun import command, measure, targets
+from jaxtrain.dryrun import command
 from jaxtrain.parallel.mesh import platform_of_backend
+from jaxtrain.train import measure
 from tests.dry_run_helpers import DRY_RUN_LAST_LINE, run_dry_run
 from tests.helpers import REPO, run_cli, run_main
 

@@ -18,7 +18,9 @@ import zlib
 import pytest
 
 from jaxtrain import config as config_lib
-from jaxtrain import config_checks, metrics, wandb_logger
+from jaxtrain.checkpointing import run_directory
+from jaxtrain.train import metrics, wandb as wandb_logger
+from jaxtrain.validation import checks as config_checks
 from tests.helpers import assert_one_line_config_error, run_cli
 
 # configs/tiny.py's model, on fewer tokens per step and eval (what is logged does not depend on
@@ -150,7 +152,7 @@ def test_offline_run_logs_what_metrics_jsonl_and_tensorboard_hold(tmp_path, monk
   # The run: named after the workdir, its id kept there for a resumed run, and its config the
   # run table as printed plus the config's sections.
   assert (run.project, run.display_name) == ("jaxtrain", "tiny_wandb")
-  with open(workdir / wandb_logger.RUN_ID_FILE, encoding="utf-8") as f:
+  with open(workdir / run_directory.RUN_ID_FILE, encoding="utf-8") as f:
     assert run.run_id == f.read().strip()
   config = {item.key: json.loads(item.value_json) for item in run.config.update}
   table = metrics.format_table(list(config["run_table"].items()))
@@ -162,7 +164,7 @@ def test_offline_run_logs_what_metrics_jsonl_and_tensorboard_hold(tmp_path, monk
 
 def test_without_the_package_the_run_is_refused_in_one_line(tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: find_spec gives None
-  assert not wandb_logger.available()
+  assert not config_checks.wandb_installed()
   workdir = tmp_path / "run"
   result = run_cli(*TINY, f"--workdir={workdir}")
   assert result.returncode == 2, result.stdout + result.stderr

@@ -16,8 +16,8 @@ import numpy as np
 
 from jaxtrain.config import ConfigError
 from jaxtrain.data import packing, sources, stdlib_corpus, text_docs
-from jaxtrain.data.sources import prepared as prepared_source
 from jaxtrain.data import tokenizer as tokenizer_lib
+from jaxtrain.data.sources import prepared as prepared_source
 
 
 @dataclasses.dataclass(frozen=True)

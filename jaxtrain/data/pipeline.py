@@ -36,6 +36,10 @@ from jaxtrain.config import ConfigError
 from jaxtrain.data import global_stream, packing, sources, text_docs
 from jaxtrain.data.documents import DocumentSubset, load_mixture
 
+# The language-model batch, [B, T] each (the module docstring): what the train step and the LM
+# objective read.
+BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
+
 
 # Pieces packed together before rows are emitted. More bins pack the short document tails more
 # tightly (higher efficiency) at the cost of memory (bins x T tokens) and of mixing more pieces;

@@ -2,7 +2,7 @@
 
 Records are JSONL `{"prompt": ..., "chosen": ..., "rejected": ...}` (the "preference" kind of
 `formats`; the prompt a string or a list of chat messages). Each side becomes one row of
-`seq_len + 1` ids, right-padded, in the format of `jaxtrain.dpo`:
+`seq_len + 1` ids, right-padded, in the format of `jaxtrain.objectives.dpo.loss`:
 
   {side}_input_ids       int32    [B, T+1]  prompt + response ids, 0 after the end
   {side}_attention_mask  int32    [B, T+1]  1 on real tokens
@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxtrain.config import ConfigError
 from jaxtrain.data import formats
+from jaxtrain.data import sources
 from jaxtrain.data.documents import held_out_indices, tokenizer_for
 from jaxtrain.data.sources.common import DataError, record_location
 
@@ -103,7 +104,6 @@ def load_record_splits(config, *, needs: str, what: str):
   """(train, eval) JSONL record sources from `data.train_paths` (and `data.eval_paths`, or a
   held-out `data.eval_fraction` of the training records). `needs` says who needs them and `what`
   the records are, for the config errors."""
-  from jaxtrain.data import sources  # pylint: disable=import-outside-toplevel
   d = config.data
   if d.source != "jsonl":
     raise ConfigError(f"data.format={d.format!r}: needs data.source='jsonl' ({what}), got "
@@ -137,8 +137,9 @@ def local_batch_size(config, process_count: int) -> int:
 
 
 def make_train_iterator(config, *, process_index: int = 0, process_count: int = 1):
-  """Infinite, checkpointable iterator over this process's DPO batches (`jaxtrain.dpo`'s
-  format; train.global_batch_size pairs per step over all processes)."""
+  """Infinite, checkpointable iterator over this process's DPO batches
+  (`jaxtrain.objectives.dpo.loss`'s format; train.global_batch_size pairs per step over all
+  processes)."""
   train, _ = load_splits(config)
   tok = tokenizer_for(config.data.tokenizer)
   ds = preference_dataset(train, tok, seq_len=config.train.seq_len,

@@ -3,7 +3,7 @@
 Records are JSONL `{"prompt": ..., <other fields>}` (the "prompt" kind of `formats`; the prompt a
 string or a list of chat messages). The other fields are the record's columns, handed to the
 reward functions (e.g. a reference `answer`). A batch holds the prompts' ids, not the rollouts:
-those are sampled with the current weights in the training loop (jaxtrain.rollouts).
+those are sampled with the current weights in the training loop (jaxtrain.objectives.grpo.rollouts).
 
   prompt_ids      int32  [N, P]  the prompt's ids, right-padded with 0
   prompt_lengths  int32  [N]     its length (>= 1)

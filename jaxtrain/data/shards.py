@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxtrain.config import ConfigError
+from jaxtrain.parallel.mesh import batch_rows_by_process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,6 @@ def open_data(config, mesh, data_module) -> tuple[Any, list[dict[str, np.ndarray
   where the data module reads one (`reads_global_stream`: the same batches for any process
   count, without shards), else the data shards its devices hold (`plan_for_mesh`)."""
   import jax  # pylint: disable=import-outside-toplevel
-  from jaxtrain.parallel.mesh import batch_rows_by_process  # pylint: disable=import-outside-toplevel
   reads_global = getattr(data_module, "reads_global_stream", None)
   if reads_global is not None and reads_global(config):
     rows = batch_rows_by_process(mesh, int(config.train.global_batch_size))[jax.process_index()]
@@ -65,7 +65,6 @@ def open_data(config, mesh, data_module) -> tuple[Any, list[dict[str, np.ndarray
 def plan_for_mesh(config, mesh) -> ShardPlan:
   """This process's ShardPlan for `config` on `mesh` (see `plan`)."""
   import jax  # pylint: disable=import-outside-toplevel  (the data pipeline itself needs no jax)
-  from jaxtrain.parallel.mesh import batch_rows_by_process  # pylint: disable=import-outside-toplevel
   batch_size = int(config.train.global_batch_size)
   return plan(int(config.data.num_shards), batch_size, batch_rows_by_process(mesh, batch_size),
               jax.process_index())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from jaxtrain import storage
 from jaxtrain.config import ConfigError
 
 
@@ -20,7 +21,6 @@ def staged(url: str, name: str, siblings: Sequence[str] = ()) -> str:
   """The local copy of the tokenizer file at `url`, with the `siblings` beside it that exist
   there (and without those that do not), in the staging directory of its directory; returns the
   file's local path. The tokenizer libraries read only local files."""
-  from jaxtrain import storage  # pylint: disable=import-outside-toplevel  # imports data/
   directory, base = url.rsplit("/", 1)
   local = storage.staging_path(directory)
   try:

@@ -1,8 +1,11 @@
 """The dry run: compile the real train step for a target without its hardware, and report.
 
-- targets.py: the accelerator table (compiler, topology, memory, peak FLOP/s) and target names.
-- measure.py: the exact compile of the train step on abstract inputs, and its figures.
-- suggestions.py: config changes that make a step fit, each measured.
-- hlo_flops.py: matmul FLOPs of a compiled program, loops counted per iteration.
 - command.py: `python -m jaxtrain.main --dry_run` (the report and its last line).
+- suggestions.py: config changes that make a step fit, each measured.
+- hlo_dots.py: the matmuls of a compiled program by operand types (FP8 evidence).
+- check_configs.py: `python -m jaxtrain.dryrun.check_configs`, every shipped config's fit.
+
+The compile and its figures are the trainer's own (train/measure.py, train/memory_breakdown.py,
+train/hlo_flops.py: the preflight check runs them too); the accelerator table is
+jaxtrain/hardware.py.
 """

@@ -2,7 +2,7 @@
 
 Compiles the train step of each config in configs/ whose `target` is an accelerator (all of them
 by default, or the NAMEs given: `llama8b` or `configs/llama8b.py`) for that target, with the
-target's own compiler and no device (the dry run's measurement, jaxtrain/dryrun/measure.py), and
+target's own compiler and no device (the dry run's measurement, jaxtrain/train/measure.py), and
 prints one row per config: name, target, compiler, total GiB per device, headroom (the GiB left
 below targets.USABLE_FRACTION of the device's memory; negative when it does not fit) and fits.
 The last line is for scripts:
@@ -25,9 +25,10 @@ import time
 
 import jax  # starts no backend: main() below, or the caller, chooses the platforms first
 
+from jaxtrain import hardware as targets
 from jaxtrain import platforms
 from jaxtrain.config import load_config_file
-from jaxtrain.dryrun import measure, targets
+from jaxtrain.train import measure
 
 REPO_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "configs")

@@ -2,10 +2,10 @@
 
 `python -m jaxtrain.main --config=configs/llama8b.py --dry_run` compiles the real train step for
 the config's `target` (or `--dry_run_target=NAME`) with that target's own compiler, without its
-hardware (targets.py: libtpu for TPUs, XLA's GPU compiler for GPUs), on abstract inputs; then
-prints per-device memory, FLOPs per step, the parameter shardings, the verdict, and, where it does
-not fit, changes that make it fit, each measured by the same compiler (suggestions.py). The last
-line is for scripts:
+hardware (jaxtrain/hardware.py: libtpu for TPUs, XLA's GPU compiler for GPUs), on abstract inputs;
+then prints per-device memory, FLOPs per step, the parameter shardings, the verdict, and, where it
+does not fit, changes that make it fit, each measured by the same compiler (suggestions.py). The
+last line is for scripts:
 
   dry_run: target=NAME compiler=gpu|tpu|cpu devices=N params_gib=X opt_gib=X temp_gib=X
            total_gib=X fits=yes|no   (one line)
@@ -26,15 +26,18 @@ import subprocess
 import sys
 import time
 
-from jaxtrain import metrics, objectives
-from jaxtrain.parallel import pipeline
+from jaxtrain import hardware as targets
+from jaxtrain import objectives
 from jaxtrain.config import ConfigError
-from jaxtrain.config_checks import validate
-from jaxtrain.dryrun import breakdown, hlo_dots
-from jaxtrain.dryrun import measure as aot
-from jaxtrain.dryrun import suggestions, targets
-from jaxtrain.dryrun.targets import GIB, Target, format_bytes, verdict
+from jaxtrain.dryrun import hlo_dots
+from jaxtrain.dryrun import suggestions
+from jaxtrain.hardware import GIB, Target, format_bytes, verdict
+from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.mesh import platform_of_backend
+from jaxtrain.train import measure as aot
+from jaxtrain.train import memory_breakdown as breakdown
+from jaxtrain.train import metrics
+from jaxtrain.validation.checks import validate
 
 _CHILD_ENV = "JAXTRAIN_DRY_RUN_CHILD"
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -198,7 +201,7 @@ PEAK_ROWS = 12
 
 def _peak_lines(m: aot.Measurement) -> list[str]:
   """The largest temporaries live at the memory peak, from the compiler's buffer assignment
-  (breakdown.py): what to shrink when a config does not fit."""
+  (train/memory_breakdown.py): what to shrink when a config does not fit."""
   b = m.breakdown
   if b is None:
     return []

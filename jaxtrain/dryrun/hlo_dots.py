@@ -40,7 +40,7 @@ def dot_operand_types(hlo: str) -> collections.Counter:
 
 def block_scaled_dots(hlo: str) -> int:
   """Block-scaled (MXFP8) matmuls: XLA's `scaled-dot` instructions, and the cuDNN block-scaled
-  GEMM calls XLA:GPU makes of `jax.nn.scaled_matmul` (jaxtrain/mxfp8.py)."""
+  GEMM calls XLA:GPU makes of `jax.nn.scaled_matmul` (jaxtrain/ops/mxfp8.py)."""
   return (len(re.findall(r"\sscaled-dot\(", hlo))
           + len(re.findall(r'custom_call_target="__cudnn\$blockScaledDot"', hlo)))
 

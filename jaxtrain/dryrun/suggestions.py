@@ -24,8 +24,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from jaxtrain.dryrun import measure as aot
-from jaxtrain.dryrun.targets import Target, TargetError, format_bytes, verdict
+from jaxtrain.hardware import Target, TargetError, format_bytes, verdict
+from jaxtrain.train import measure as aot
 
 # name -> device memory in bytes: what the verdicts are for (the target, or every known chip).
 Memories = dict[str, float]

@@ -21,14 +21,18 @@ from jax.sharding import Mesh
 from jaxtrain import storage
 from jaxtrain.config import ConfigError, load_config_file
 from jaxtrain.interop import hf_config, hf_storage
-from jaxtrain.interop.hf import (DEFAULT_MAX_FILE_BYTES, TOKENIZER_FILES, check_divisible,
+from jaxtrain.interop.hf_io import (DEFAULT_MAX_FILE_BYTES, TOKENIZER_FILES, check_divisible,
                                  default_mesh, existing_weights, load_model, save_model)
+from jaxtrain.checkpointing import weights as checkpoint
+from jaxtrain.checkpointing.weights import saved_config
 from jaxtrain.interop.hf_config import HFFormatError
+from jaxtrain.interop.run_weights import load_plain_model, plain_run_config
 from jaxtrain.models import registry
 from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.sharding import abstract_model
 from jaxtrain.models.variables import WEIGHTS
 from jaxtrain.parallel.mesh import make_mesh
-from jaxtrain.sharding import abstract_model
+from jaxtrain.peft import state as peft_state
 
 
 def _host_mesh(cfg: ModelConfig) -> Mesh:
@@ -48,8 +52,7 @@ def _splits_evenly(cfg: ModelConfig, mesh: Mesh) -> bool:
   try:
     check_divisible(abstract_params, mesh)
     if cfg.peft.base_quant != "none":
-      from jaxtrain import peft  # pylint: disable=import-outside-toplevel
-      peft.check_mesh(cfg, mesh)
+      peft_state.check_mesh(cfg, mesh)
   except (HFFormatError, ValueError):
     return False
   return True
@@ -112,7 +115,6 @@ def import_command(hf_dir: str, out: str, dtype: str = "float32",
   values), and the tokenizer files. `mtp_depth`: as load_model's. Either directory may be an
   s3:// or gs:// URL (hf_storage.py). Returns the training command line."""
   # Orbax and grain load only for the CLI; load_model/save_model do not need them.
-  from jaxtrain import checkpoint_weights as checkpoint  # pylint: disable=import-outside-toplevel
 
   hf_dir, out = (p if storage.is_url(p) else os.path.abspath(p)
                  for p in (_bare(hf_dir), _bare(out)))
@@ -155,7 +157,6 @@ def _bare(path: str) -> str:
 def _import(hf_dir: str, out: str, dtype: str, mtp_depth: int | None) -> dict[str, Any]:
   """Writes OUT/params and the tokenizer files of the local Hugging Face directory `hf_dir`;
   returns the config overrides of the model."""
-  from jaxtrain import checkpoint_weights as checkpoint  # pylint: disable=import-outside-toplevel
 
   hf = hf_config.read_hf_config(hf_dir)
   overrides = hf_config.overrides_for(hf, hf_dir, dtype)
@@ -207,10 +208,6 @@ def export_command(checkpoint: str, config_path: str | None, out: str, dtype: st
 def _export(checkpoint: str, config_path: str | None, out: str, dtype: str | None,
             max_file_bytes: int, rope_spelling: str, overwrite: bool) -> list[str]:
   """export_command on local directories."""
-  # pylint: disable-next=import-outside-toplevel
-  from jaxtrain.run_weights import load_plain_model, plain_run_config
-
-  from jaxtrain.checkpoint_weights import saved_config  # pylint: disable=import-outside-toplevel
   saved = None
   if config_path is None:
     config_path = os.path.join(checkpoint, "config.py")

@@ -13,14 +13,16 @@ import contextlib
 import fnmatch
 import os
 
-from jaxtrain import checkpoint_mirror, storage
+from jaxtrain import storage
+from jaxtrain.checkpointing import mirror as checkpoint_mirror
+from jaxtrain.checkpointing.weights import WEIGHTS_ITEM
 from jaxtrain.config import ConfigError
-from jaxtrain.interop.hf import TOKENIZER_FILES
 from jaxtrain.interop.hf_config import HFFormatError
+from jaxtrain.interop.hf_io import TOKENIZER_FILES
 from jaxtrain.interop.hf_weights import INDEX_FILE, PICKLE_PATTERNS
 
 # A run's checkpoint read for export is staged apart from the URL's own staging directory, where
-# a run on this host keeps the checkpoints and workdir files it uploads (checkpoint_mirror.py,
+# a run on this host keeps the checkpoints and workdir files it uploads (checkpointing/mirror.py,
 # run_directory.py); no bucket can be named this (a leading underscore), so nothing else is.
 EXPORT_AREA = "_hf-export"
 
@@ -67,7 +69,7 @@ def download_hf_dir(url: str) -> str:
 
 
 def existing_weights(url: str, overwrite: bool) -> list[str]:
-  """hf.existing_weights on a bucket: the weights and config.json already at `url`; an error
+  """hf_io.existing_weights on a bucket: the weights and config.json already at `url`; an error
   unless they may be replaced."""
   existing = sorted(n for n in storage.listdir(url)
                     if n.endswith(".safetensors") or n in ("config.json", INDEX_FILE))
@@ -91,7 +93,6 @@ def download_checkpoint(url: str) -> str:
   and returns it: all of a weights directory or a checkpoint step; of a run's workdir or
   checkpoints directory only its newest complete step (and its config.py, if it has one), not
   the rest of the run (other steps, TensorBoard events, metrics)."""
-  from jaxtrain.checkpoint_weights import WEIGHTS_ITEM  # pylint: disable=import-outside-toplevel  # Orbax
   check(url, "--checkpoint")
   names = storage.listdir(url)
   scheme, _, rest = url.partition("://")

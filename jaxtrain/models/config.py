@@ -15,9 +15,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
+from jaxtrain.config import default_config, lora_targets, resolve_compute_dtype
 from jaxtrain.models import registry
 from jaxtrain.models.features import Features
 from jaxtrain.models.rope import YARN_KEYS
+from jaxtrain.parallel.mesh import platform_of_backend
 
 FULL, SLIDING = "full", "sliding"
 LAYER_TYPES = (FULL, SLIDING)
@@ -145,7 +149,7 @@ class Runtime:
   # (peft.projection.dense): faster GEMMs on XLA:CPU. from_config sets it for the CPU platform
   # only; on accelerators XLA picks operand layouts itself.
   explicit_transpose_for_dw: bool = False
-  # The projections' and MLP matmuls: "none" (the compute dtype) or "fp8" (jaxtrain/fp8.py).
+  # The projections' and MLP matmuls: "none" (the compute dtype) or "fp8" (jaxtrain/ops/fp8.py).
   matmul_precision: str = "none"
   fp8_head: bool = False  # the loss's head matmuls in FP8 too (cross_entropy.py)
   # MoE layers: capacity factor (0: dropless), the grouped matmul's route (grouped_matmul.py),
@@ -228,12 +232,6 @@ class ModelConfig:
     compiles for: it resolves `model.dtype="auto"` (bfloat16 compute on accelerators, float32 on
     CPU) and the attention kernel's route.
     """
-    # Imported here: the config layer imports this module for the family names.
-    # pylint: disable=import-outside-toplevel
-    import jax
-    from jaxtrain.config import default_config, lora_targets, resolve_compute_dtype
-    from jaxtrain.parallel.mesh import platform_of_backend
-
     m, a, p = config.model, config.attention, config.pipeline
     # A config saved before the moe group existed (a run's checkpoint metadata): a dense model.
     moe = config.moe if "moe" in config else default_config().moe

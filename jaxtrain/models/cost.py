@@ -2,7 +2,7 @@
 
 One definition for every family, reading the same switches the layers read (features.py), so a
 family's count changes exactly where its model does. The meter, the run table and the dry run
-all use these (through jaxtrain.metrics and the objectives).
+all use these (through jaxtrain.train.metrics and the objectives).
 
 FLOPs per token = 6 * N_matmul + attention, where
 

@@ -18,8 +18,9 @@ import numpy as np
 from flax import nnx
 
 from jaxtrain.models import moe, mtp
+from jaxtrain.models.block import Block, attention_class
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.models.layers import Block, attention_class, norm, param
+from jaxtrain.models.layers import norm, param
 from jaxtrain.models.remat import remat_policy
 from jaxtrain.models.variables import Head
 from jaxtrain.parallel import context_parallel, layer_stack
@@ -128,7 +129,7 @@ class Decoder(nnx.Module):
   def head(self) -> tuple[jax.Array, int]:
     """(output projection in the compute dtype, the axis of its vocab dim): head_DV and 1, or the
     tied embedding table [V, D] and 0 as stored, for the chunked losses to contract without a
-    transposed copy (jaxtrain/cross_entropy.py)."""
+    transposed copy (jaxtrain/ops/cross_entropy.py)."""
     self._check_vocab_head()
     if self.cfg.arch.tie_embeddings:
       return self.embed_VD[...].astype(self.cfg.runtime.dtype), 0

@@ -12,9 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-# Projections that can carry LoRA adapters in the shared decoder: attention q/k/v/o and the
-# gated MLP's three.
-ALL_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+from jaxtrain.config import LORA_TARGETS  # every projection that can carry an adapter
+
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -76,7 +75,7 @@ class Family:
   hf_window: str = "none"
   # Fixed fields export writes, as save_pretrained writes them for the family.
   hf_export_fields: Mapping[str, object] = dataclasses.field(default_factory=dict)
-  lora_targets: tuple[str, ...] = ALL_PROJECTIONS
+  lora_targets: tuple[str, ...] = LORA_TARGETS
   # What the family's docs say in one line (the run table, docs/models.md).
   summary: str = ""
   # A Mixture-of-Experts family (its models have moe.num_experts > 0): its checkpoint names.

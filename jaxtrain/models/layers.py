@@ -22,16 +22,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain import attention as attention_lib
-from jaxtrain.grouped_matmul import resolve_impl
 from jaxtrain.models import moe as moe_lib
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.rope import apply_rope, rope_attention_factor, rope_inv_freq
 from jaxtrain.models.variables import RouterBias
+from jaxtrain.ops import attention as attention_lib
+from jaxtrain.ops.grouped_matmul import resolve_impl
+from jaxtrain.ops.projection import project, weight_value
+from jaxtrain.ops.quantize import QuantizedWeight
 from jaxtrain.parallel.mesh import shard
 from jaxtrain.peft import lora as lora_lib
-from jaxtrain.peft.projection import project, weight_value
-from jaxtrain.peft.quantize import QuantizedWeight
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
@@ -41,8 +41,8 @@ def param(rngs: nnx.Rngs, shape, names, std, dtype, variable=nnx.Param) -> nnx.P
   return variable(init(rngs.params(), shape, dtype), out_sharding=names)
 
 
-def _weight(cfg: ModelConfig, rngs: nnx.Rngs, shape, names, std, num_in: int = 1,
-            in_axis: int = 0):
+def projection_weight(cfg: ModelConfig, rngs: nnx.Rngs, shape, names, std, num_in: int = 1,
+                      in_axis: int = 0):
   """A projection weight [*in, *out] (or with its input dim at `in_axis`, as the experts'
   [X, I, O]): a Param, or its frozen quantized storage under QLoRA."""
   w = param(rngs, shape, names, std, jnp.dtype(cfg.runtime.param_dtype))
@@ -92,10 +92,10 @@ class Attention(nnx.Module):
     q = (d, h, e), ("embed", "heads", "head_dim")
     kv = (d, k, e), ("embed", "kv_heads", "head_dim")
     o = (h, e, d), ("heads", "head_dim", "embed")
-    self.wq_DHE = _weight(cfg, rngs, *q, a.init_std)
-    self.wk_DKE = _weight(cfg, rngs, *kv, a.init_std)
-    self.wv_DKE = _weight(cfg, rngs, *kv, a.init_std)
-    self.wo_HED = _weight(cfg, rngs, *o, out_std, num_in=2)
+    self.wq_DHE = projection_weight(cfg, rngs, *q, a.init_std)
+    self.wk_DKE = projection_weight(cfg, rngs, *kv, a.init_std)
+    self.wv_DKE = projection_weight(cfg, rngs, *kv, a.init_std)
+    self.wo_HED = projection_weight(cfg, rngs, *o, out_std, num_in=2)
     # Qwen2.5's biases; Qwen3's and Gemma 3's per-head norms. None where the family has none.
     with_bias = features.qkv_bias
     self.bq_HE = _bias(cfg, (h, e), ("heads", "head_dim")) if with_bias else None
@@ -232,9 +232,9 @@ class MLP(nnx.Module):
     out_std = a.init_std / math.sqrt(2 * a.num_layers)
     up = (d, f), ("embed", "mlp")
     down = (f, d), ("mlp", "embed")
-    self.w_gate_DF = _weight(cfg, rngs, *up, a.init_std)
-    self.w_up_DF = _weight(cfg, rngs, *up, a.init_std)
-    self.w_down_FD = _weight(cfg, rngs, *down, out_std)
+    self.w_gate_DF = projection_weight(cfg, rngs, *up, a.init_std)
+    self.w_up_DF = projection_weight(cfg, rngs, *up, a.init_std)
+    self.w_down_FD = projection_weight(cfg, rngs, *down, out_std)
     self.lora_gate = lora_lib.adapter(cfg.peft, rngs, "gate", "w_gate_DF", *up)
     self.lora_up = lora_lib.adapter(cfg.peft, rngs, "up", "w_up_DF", *up)
     self.lora_down = lora_lib.adapter(cfg.peft, rngs, "down", "w_down_FD", *down)
@@ -275,9 +275,9 @@ class MoE(nnx.Module):
     self.shared = (MLP(cfg, rngs, a.num_shared_experts * f) if a.num_shared_experts else None)
     up, down = (x, d, f), (x, f, d)
     names = moe_lib.WEIGHT_NAMES
-    self.w_gate_XDF = _weight(cfg, rngs, up, names["gate"], a.init_std, in_axis=1)
-    self.w_up_XDF = _weight(cfg, rngs, up, names["up"], a.init_std, in_axis=1)
-    self.w_down_XFD = _weight(cfg, rngs, down, names["down"], out_std, in_axis=1)
+    self.w_gate_XDF = projection_weight(cfg, rngs, up, names["gate"], a.init_std, in_axis=1)
+    self.w_up_XDF = projection_weight(cfg, rngs, up, names["up"], a.init_std, in_axis=1)
+    self.w_down_XFD = projection_weight(cfg, rngs, down, names["down"], out_std, in_axis=1)
     self.lora_gate = lora_lib.expert_adapter(cfg.peft, rngs, "gate", "w_gate_XDF", up,
                                              names["gate"])
     self.lora_up = lora_lib.expert_adapter(cfg.peft, rngs, "up", "w_up_XDF", up, names["up"])
@@ -314,62 +314,3 @@ class MoE(nnx.Module):
       out_BTD = out_BTD + self.shared(x_BTD)
     return checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")),
                            "mlp_down"), stats, experts_BTK
-
-
-def attention_class(arch):
-  """The attention sublayer's class: multi-head latent attention (models/mla.py) when the
-  architecture has a kv latent, else the shared multi-head / grouped-query one."""
-  # Imported here: mla.py imports this module's weight and norm helpers.
-  from jaxtrain.models.mla import LatentAttention  # pylint: disable=import-outside-toplevel
-  return LatentAttention if arch.kv_lora_rank else Attention
-
-
-class Block(nnx.Module):
-  """Pre-norm residual block; with sandwich norms (Gemma 3) each sublayer's output is normed too.
-  `moe`: the feed-forward block is the Mixture of Experts. Calls return (x, router statistics),
-  the statistics empty for a dense block."""
-
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sliding: bool | None = False,
-               moe: bool = False):
-    d = cfg.arch.d_model
-    sandwich = cfg.arch.features.sandwich_norms
-    self.attn_norm = norm(cfg, d)
-    self.attn = attention_class(cfg.arch)(cfg, rngs, sliding)
-    self.post_attn_norm = norm(cfg, d) if sandwich else None
-    self.mlp_norm = norm(cfg, d)
-    self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
-    self.post_mlp_norm = norm(cfg, d) if sandwich else None
-
-  def _mlp_residual(self, x_BTD, mask_BT=None, dropout_key=None, routing_BTK=None):
-    """(x + the feed-forward block's output, router statistics, the chosen experts [B, T, k]);
-    the statistics empty and the experts None for a dense block."""
-    if isinstance(self.mlp, MoE):
-      if mask_BT is None:
-        mask_BT = jnp.ones(x_BTD.shape[:2], bool)
-      out_BTD, stats, experts_BTK = self.mlp(self.mlp_norm(x_BTD), mask_BT, routing_BTK)
-    else:
-      out_BTD, stats, experts_BTK = self.mlp(self.mlp_norm(x_BTD), dropout_key), {}, None
-    if self.post_mlp_norm is not None:
-      out_BTD = self.post_mlp_norm(out_BTD)
-    return x_BTD + out_BTD, stats, experts_BTK
-
-  def _attn_residual(self, x_BTD, out_BTD):
-    if self.post_attn_norm is not None:
-      out_BTD = self.post_attn_norm(out_BTD)
-    return x_BTD + out_BTD
-
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None, sliding=None,
-               routing=None):
-    """(x_BTD, router statistics); `routing` [B, T, k]: an MoE block's experts to replay."""
-    out_BTD = self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, dropout_key, sliding)
-    mask_BT = None if segment_ids_BT is None else segment_ids_BT > 0  # padding: not routed
-    x_BTD, stats, _ = self._mlp_residual(self._attn_residual(x_BTD, out_BTD), mask_BT,
-                                         dropout_key, routing)
-    return x_BTD, stats
-
-  def decode(self, x_BCD, positions_BC, cache, start_B, sliding=None):
-    """(x_BCD, updated cache, the chosen experts [B, C, k] or None for a dense block)."""
-    out_BCD, cache = self.attn.decode(self.attn_norm(x_BCD), positions_BC, cache, start_B,
-                                      sliding)
-    x_BCD, _, experts_BCK = self._mlp_residual(self._attn_residual(x_BCD, out_BCD))
-    return x_BCD, cache, experts_BCK

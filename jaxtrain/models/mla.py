@@ -31,12 +31,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain import attention as attention_lib
 from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.layers import norm, projection_weight
 from jaxtrain.models.rope import apply_rope, rope_attention_factor, rope_inv_freq, yarn_mscale
+from jaxtrain.ops import attention as attention_lib
+from jaxtrain.ops.projection import project, weight_value
 from jaxtrain.parallel.mesh import shard
 from jaxtrain.peft import lora as lora_lib
-from jaxtrain.peft.projection import project, weight_value
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -56,25 +57,26 @@ class LatentAttention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, sliding=False):
     del sliding  # MLA models have no sliding window (config checks refuse one)
-    # Imported here: layers.py imports this module for its Block.
-    from jaxtrain.models.layers import _weight, norm  # pylint: disable=import-outside-toplevel
     a = cfg.arch
     d, h, e, p, v = a.d_model, a.num_heads, a.head_dim, a.qk_rope_head_dim, a.v_head_dim
     r, q_rank = a.kv_lora_rank, a.q_lora_rank
     out_std = a.init_std / math.sqrt(2 * a.num_layers)
     if q_rank:
-      self.wq_a_DQ = _weight(cfg, rngs, (d, q_rank), ("embed", "latent"), a.init_std)
+      self.wq_a_DQ = projection_weight(cfg, rngs, (d, q_rank), ("embed", "latent"), a.init_std)
       self.q_a_norm = norm(cfg, q_rank)
-      self.wq_b_QHE = _weight(cfg, rngs, (q_rank, h, e), ("q_latent", "heads", "head_dim"),
-                              a.init_std)
+      self.wq_b_QHE = projection_weight(cfg, rngs, (q_rank, h, e),
+                                        ("q_latent", "heads", "head_dim"),
+                                        a.init_std)
     else:
-      self.wq_DHE = _weight(cfg, rngs, (d, h, e), ("embed", "heads", "head_dim"), a.init_std)
-    self.wkv_a_DA = _weight(cfg, rngs, (d, r + p), ("embed", "latent"), a.init_std)
+      self.wq_DHE = projection_weight(cfg, rngs, (d, h, e), ("embed", "heads", "head_dim"),
+                                      a.init_std)
+    self.wkv_a_DA = projection_weight(cfg, rngs, (d, r + p), ("embed", "latent"), a.init_std)
     self.kv_a_norm = norm(cfg, r)
-    self.wkv_b_RHB = _weight(cfg, rngs, (r, h, e - p + v), ("kv_latent", "heads", "head_dim"),
-                             a.init_std)
+    self.wkv_b_RHB = projection_weight(cfg, rngs, (r, h, e - p + v),
+                                       ("kv_latent", "heads", "head_dim"),
+                                       a.init_std)
     o = (h, v, d), ("heads", "head_dim", "embed")
-    self.wo_HUD = _weight(cfg, rngs, *o, out_std, num_in=2)
+    self.wo_HUD = projection_weight(cfg, rngs, *o, out_std, num_in=2)
     self.lora_o = lora_lib.adapter(cfg.peft, rngs, "o", "wo_HUD", *o, num_in=2)
     self.rope = (p, a.rope_theta, a.rope_scaling)
     self.sm_scale = softmax_scale(cfg)

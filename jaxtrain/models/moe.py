@@ -8,7 +8,7 @@ C capacity per expert):
            probabilities pick the experts, renormalized to sum to 1 when `norm_topk_prob`.
   dispatch dropless (default): the N*k (token, expert) assignments sorted by expert, each
            expert's gated MLP applied to its rows by one grouped matmul per projection
-           (jaxtrain/grouped_matmul.py), unsorted, summed with the routing weights.
+           (jaxtrain/ops/grouped_matmul.py), unsorted, summed with the routing weights.
            capacity (`capacity_factor > 0`): each expert takes its first C assignments (every
            token's first choice before any second choice, then in token order) into an
            [X, C, D] buffer, one batched matmul per projection; assignments past C are dropped
@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import fp8
-from jaxtrain.grouped_matmul import grouped_matmul
+from jaxtrain.ops import fp8
+from jaxtrain.ops.grouped_matmul import grouped_matmul
 from jaxtrain.parallel import expert_parallel
 from jaxtrain.parallel.expert_parallel import Sequences
 

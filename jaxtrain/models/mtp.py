@@ -9,7 +9,7 @@ main model's last layer output, before its final norm) with the embedding of tok
 and post_norm(h^k_t) goes through the shared output head to predict token t + k + 1 (the
 target k places after the main model's). The embedding and the head are the main model's. The
 loss of depth k is the mean cross-entropy over the positions whose target lies in the same
-document; the objective adds mtp_loss_weight / D times their sum (train_step.mtp_terms).
+document; the objective adds mtp_loss_weight / D times their sum (objectives/forward.py: mtp_terms).
 
 Inputs are shifted by k within the row; the block attends causally within the row's documents
 as the main layers do (a constant shift of RoPE positions changes no score). The names follow
@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtrain.models.block import Block
 from jaxtrain.models.config import ModelConfig
-from jaxtrain.models.layers import Block, norm, param
+from jaxtrain.models.layers import norm, param
 from jaxtrain.parallel.mesh import shard
 
 # What the language-model objective reports per step from the modules (metrics.jsonl).

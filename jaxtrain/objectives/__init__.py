@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from jaxtrain.config import OBJECTIVES as NAMES
+from jaxtrain.data.documents import tokenizer_for
 from jaxtrain.objectives.base import Objective
-from jaxtrain.objectives.dpo import DPO
-from jaxtrain.objectives.grpo import GRPO
+from jaxtrain.objectives.dpo.objective import DPO
+from jaxtrain.objectives.grpo.objective import GRPO
 from jaxtrain.objectives.lm import LanguageModel
-from jaxtrain.objectives.ppo import PPO
-from jaxtrain.objectives.reward import RewardModel
+from jaxtrain.objectives.ppo.objective import PPO
+from jaxtrain.objectives.reward.objective import RewardModel
 
 __all__ = ["DPO", "GRPO", "LanguageModel", "NAMES", "Objective", "PPO", "RewardModel", "get"]
 
@@ -42,7 +43,6 @@ def _tokenizer_vocab(config) -> int | None:
   support of their policy. None where the tokenizer cannot be read here (e.g. a dry run away
   from its files: the compiled program is the same up to one elementwise mask; a real run then
   stops when its rollouts load the tokenizer)."""
-  from jaxtrain.data.documents import tokenizer_for  # pylint: disable=import-outside-toplevel
   try:
     size = tokenizer_for(config.data.tokenizer).vocab_size
   except (ValueError, OSError):  # ConfigError included: a missing or unreadable tokenizer

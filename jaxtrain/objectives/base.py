@@ -13,9 +13,12 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxtrain import metrics
 from jaxtrain.config import ConfigError
+from jaxtrain.models import cost
 from jaxtrain.models.config import architecture_of
+from jaxtrain.objectives.feeders import Feeder
+from jaxtrain.objectives.forward import merge_model
+from jaxtrain.parallel.mesh import batch_sharding
 
 # (constants(params, frozen, batch), loss_sums(params, frozen, batch, constants, dropout_key)
 #  -> (loss sum, count, {metric: sum})): see Objective.loss_sums.
@@ -56,7 +59,6 @@ class Objective(abc.ABC):
 
   def batch_shardings(self, config, mesh) -> dict[str, Any]:
     """{key: sharding}: every [B, ...] array of its batch split over the data-parallel axes."""
-    from jaxtrain.parallel.mesh import batch_sharding  # pylint: disable=import-outside-toplevel
     return {k: batch_sharding(mesh, len(shape))
             for k, (shape, _) in self.batch_shapes(config).items()}
 
@@ -66,9 +68,9 @@ class Objective(abc.ABC):
             for k, (shape, dtype) in self.batch_shapes(config).items()}
 
   def make_feeder(self, config, setup, workdir):
-    """What the loop asks for each step's device batch and each eval (jaxtrain.feeders)."""
+    """What the loop asks for each step's device batch and each eval
+    (jaxtrain.objectives.feeders)."""
     del config, workdir
-    from jaxtrain.feeders import Feeder  # pylint: disable=import-outside-toplevel
     return Feeder(setup)
 
   def rows_per_step(self, config) -> int:
@@ -84,10 +86,10 @@ class Objective(abc.ABC):
 
   def flops_per_step(self, config, model_config=None) -> float:
     """Analytic FLOPs of one step: 6 per parameter-matmul weight and token plus attention
-    (metrics.flops_per_token), over `tokens_per_step`; one definition for the meter, the run
+    (models/cost.py: flops_per_token), over `tokens_per_step`; one definition for the meter, the run
     table and the dry run. `model_config` (a ModelConfig) defaults to the config's model."""
     arch = architecture_of(config) if model_config is None else model_config.arch
-    per_token = metrics.flops_per_token(arch, self.row_length(config.train.seq_len))
+    per_token = cost.flops_per_token(arch, self.row_length(config.train.seq_len))
     return per_token * self.tokens_per_step(config)
 
   def flops_per_token(self, config, model_config=None) -> float:
@@ -138,7 +140,6 @@ def zeros_like_params(params):
 def reference_model(graphdef, params, frozen):
   """The frozen reference policy: the initial params under full fine-tuning (frozen.reference),
   the base with adapters off under LoRA."""
-  from jaxtrain.train_step import merge_model  # pylint: disable=import-outside-toplevel
   if frozen is not None and frozen.reference is not None:
     return merge_model(graphdef, frozen.reference, frozen)
   return merge_model(graphdef, zeros_like_params(params), frozen)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain import attention_tiles as tiles
+from jaxtrain.ops import attention_tiles as tiles
 from jaxtrain.parallel import context_kernels as ck
 from jaxtrain.parallel.context_parallel import STRATEGIES, context_size, global_positions
 from jaxtrain.parallel.mesh import logical_to_spec

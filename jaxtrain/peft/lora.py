@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.config import BASE_QUANTIZATIONS, LORA_TARGETS
-from jaxtrain.peft.projection import dense
+from jaxtrain.ops.projection import dense
 
 
 class Adapter(nnx.Variable):

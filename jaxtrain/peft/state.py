@@ -24,9 +24,9 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 # here; its attributes are looked up at call time, after both modules have loaded.
 from jaxtrain.models import decoder as decoder_lib
 from jaxtrain.models.variables import HEAD_NAMES, WEIGHTS, Head, RouterBias
+from jaxtrain.ops.quantize import QuantizedWeight
 from jaxtrain.parallel.mesh import LOGICAL_RULES, MESH_AXES
 from jaxtrain.peft.lora import Adapter, ExpertLoRA, LoRA
-from jaxtrain.peft.quantize import QuantizedWeight
 
 
 _ONE_DEVICE = AbstractMesh((1,) * len(MESH_AXES), MESH_AXES,

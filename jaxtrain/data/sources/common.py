@@ -12,13 +12,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jaxtrain.data.sources import remote_files
+from jaxtrain.storage import DataError  # the error every source raises (see its docstring)
+
 # Open files kept per source and process. A corpus of thousands of shards must not exhaust the
 # process's file descriptors; grain reads within shuffled windows, so a few files are hot.
 MAX_OPEN_FILES = 32
-
-
-class DataError(ValueError):
-  """Unusable input data or data paths; the message names the file, the problem and the fix."""
 
 
 
@@ -46,8 +45,7 @@ def _expand(pattern_or_paths, what: str) -> list[tuple[str, tuple[int, str] | No
     pattern = os.path.expanduser(os.fspath(pattern))
     if "://" in pattern:
       # Object storage (s3://, gs://); imported here, as the storage layer imports this module.
-      from jaxtrain.data.sources import remote_files  # pylint: disable=import-outside-toplevel
-      matches = [(url, (size, version))
+          matches = [(url, (size, version))
                  for url, size, version in remote_files.expand(pattern, what)]
     else:
       matches = [(os.path.abspath(p), None) for p in _local_matches(pattern, what)]
@@ -103,7 +101,6 @@ def resolve_files(pattern_or_paths, what: str = "paths") -> tuple[list[str], lis
   remote = [(i, (name, *version)) for i, (name, version) in enumerate(entries) if version]
   if not remote:
     return names, names
-  from jaxtrain.data.sources import remote_files  # pylint: disable=import-outside-toplevel
   local = list(names)
   for (i, _), path in zip(remote, remote_files.fetch([o for _, o in remote])):
     local[i] = path

@@ -26,7 +26,7 @@ import os
 import tempfile
 
 from jaxtrain import storage
-from jaxtrain.data.sources.common import DataError
+from jaxtrain.storage import DataError
 
 
 def expand(pattern: str, what: str) -> list[tuple[str, int, str]]:

@@ -1,0 +1,1 @@
+"""Direct preference optimization: its loss (`loss.py`) and its objective (`objective.py`)."""

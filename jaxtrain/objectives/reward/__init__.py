@@ -1,0 +1,1 @@
+"""Reward-model training: the score head's loss (`loss.py`) and the objective (`objective.py`)."""
