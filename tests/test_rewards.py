@@ -13,7 +13,9 @@ def test_resolve_names_what_is_missing():
   assert rewards.resolve("jaxtrain.objectives.grpo.rewards:exact_match") is rewards.exact_match
   for name, words in [("exact_match", "module:function"),
                       ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
-                      ("jaxtrain.objectives.grpo.rewards:nope", "has no function 'nope'")]:
+                      ("jaxtrain.objectives.grpo.rewards:nope", "has no function 'nope'"),
+                      ("jaxtrain.rewards:exact_match",  # an older spelling of the built-ins
+                       "reward functions are in jaxtrain.objectives.grpo.rewards")]:
     with pytest.raises(ValueError, match=words):
       rewards.resolve(name)
 

@@ -43,7 +43,7 @@ def resolve(name: str) -> RewardFn:
   try:
     module = importlib.import_module(module_name)
   except ImportError as e:
-    # jaxtrain's own functions moved with GRPO (jaxtrain.rewards before the packages by concern).
+    # A jaxtrain module that is not this one: point at where the built-in functions live.
     hint = (f"; jaxtrain's own reward functions are in {__name__}"
             if module_name.startswith("jaxtrain") and module_name != __name__ else "")
     raise ValueError(f"reward function {name!r}: cannot import {module_name!r} ({e}){hint}"
