@@ -206,7 +206,7 @@ class LocalSlurmCluster:
         "JobAcctGatherType": "jobacct_gather/none",
         "AccountingStorageType": "accounting_storage/none",
         "ReturnToService": 2, "SlurmdParameters": "config_overrides",
-        "FirstJobId": random.randrange(1000, 1_000_000), "KillWait": 10,
+        "FirstJobId": random.randrange(1000, 1_000_000), "KillWait": 2,
         # The tests load both CPUs fully; slurmctld may answer late, and the default 10 s
         # would fail client commands.
         "MessageTimeout": 60,

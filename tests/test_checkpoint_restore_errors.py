@@ -264,12 +264,13 @@ def test_errors_are_classified_by_what_they_say_of_the_checkpoint():
 # --- Two processes: the verdict is agreed before anything is renamed. ---
 
 _WORKER = r"""
-import json, sys
+import json, os, sys
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
-process, port, directory, case = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+process, port, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
 import grain, jax.numpy as jnp, numpy as np, orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtrain.checkpointing.checkpointer import Checkpointer
 from jaxtrain.checkpointing.verdicts import CheckpointRestoreError
@@ -279,12 +280,12 @@ sharding = NamedSharding(mesh, P("data"))
 def state(step):
   return {"w": jax.jit(lambda: jnp.full((64,), float(step)), out_shardings=sharding)()}
 iterator = lambda: iter(grain.MapDataset.range(10).to_iter_dataset())
-if case == "save":
-  saver = Checkpointer(directory, every_steps=1, max_to_keep=None)
-  for step in (1, 2, 3):
-    saver.save(step, state(step), iterator(), {"step": step})
-  saver.close()
-  sys.exit(0)
+saver = Checkpointer(directory, every_steps=1, max_to_keep=None)
+for step in (1, 2, 3):
+  saver.save(step, state(step), iterator(), {"step": step})
+saver.close()
+multihost_utils.sync_global_devices("saved")
+case = None
 real = ocp.CheckpointManager.restore
 def restore(self, step, *args, **kwargs):
   # Only process 1 meets the error, and only for step 3: process 0 alone would restore it.
@@ -294,14 +295,24 @@ def restore(self, step, *args, **kwargs):
   return real(self, step, *args, **kwargs)
 ocp.CheckpointManager.restore = restore
 abstract = {"w": jax.ShapeDtypeStruct((64,), jnp.float32, sharding=sharding)}
-try:
-  restored, step = Checkpointer(directory, every_steps=1).restore_latest(abstract, iterator())
-  w = float(np.asarray(jax.experimental.multihost_utils.process_allgather(restored["w"], tiled=True)).min())
-  assert np.array_equal(np.asarray(jax.experimental.multihost_utils.process_allgather(restored["w"], tiled=True)), np.full((64,), float(step)))
-  result = {"step": step, "w": w}
-except CheckpointRestoreError as e:
-  result = {"error": str(e)}
-print("RESULT " + json.dumps(result), flush=True)
+def restore_latest():
+  # A run's restore: a Checkpointer of its own, as each run starts with.
+  try:
+    restored, step = Checkpointer(directory, every_steps=1).restore_latest(abstract, iterator())
+    w = float(np.asarray(jax.experimental.multihost_utils.process_allgather(restored["w"], tiled=True)).min())
+    assert np.array_equal(np.asarray(jax.experimental.multihost_utils.process_allgather(restored["w"], tiled=True)), np.full((64,), float(step)))
+    return {"step": step, "w": w}
+  except CheckpointRestoreError as e:
+    return {"error": str(e)}
+results = {}
+case = "oom"
+results["oom"] = restore_latest()
+multihost_utils.sync_global_devices("oom verdict")  # both done: the directory as oom left it
+results["after_oom"] = sorted(os.listdir(directory))
+multihost_utils.sync_global_devices("listed")
+case = "corrupt"
+results["corrupt"] = restore_latest()
+print("RESULT " + json.dumps(results), flush=True)
 """
 
 
@@ -311,13 +322,15 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _two_processes(tmp_path, directory, case):
+def _two_processes(tmp_path, directory):
+  """Each process's results of the worker: {"oom": ..., "after_oom": the directory's names,
+  "corrupt": ...}."""
   script = tmp_path / "worker.py"
   script.write_text(_WORKER)
   port = _free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   env.pop("XLA_FLAGS", None)  # the worker sets its own device count
-  procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port), directory, case],
+  procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port), directory],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True) for i in range(2)]
   results = []
@@ -329,18 +342,21 @@ def _two_processes(tmp_path, directory, case):
   return results
 
 
-@pytest.mark.slow(seconds=25)
+@pytest.mark.slow(seconds=10)
 def test_two_processes_agree_on_the_verdict_before_anything_is_renamed(tmp_path):
   """Process 1 alone cannot read step 3. Out of memory: both stop, nothing renamed. A data
-  loss: both set step 3 aside (once) and restore step 2."""
+  loss: both set step 3 aside (once) and restore step 2. Both cases in the same two processes,
+  one after the other (each restore by a Checkpointer of its own, as a run's), after they saved
+  steps 1-3."""
   directory = str(tmp_path / "checkpoints")
-  assert _two_processes(tmp_path, directory, "save") == [None, None]
-  oom = _two_processes(tmp_path, directory, "oom")
+  results = _two_processes(tmp_path, directory)
+  assert all(results), results
+  oom = [r["oom"] for r in results]
   assert all(r and "checkpoint" in r["error"] and "RESOURCE_EXHAUSTED" in r["error"] or
              r and "another process" in r["error"] for r in oom), oom
   assert f"{directory}/3 could not be restored" in oom[0]["error"]
-  assert sorted(os.listdir(directory)) == ["1", "2", "3"]
-  corrupt = _two_processes(tmp_path, directory, "corrupt")
+  assert [r["after_oom"] for r in results] == [["1", "2", "3"]] * 2
+  corrupt = [r["corrupt"] for r in results]
   assert corrupt == [{"step": 2, "w": 2.0}] * 2, corrupt
   names = sorted(os.listdir(directory))
   assert names[:2] == ["1", "2"] and len(names) == 3 and names[2].startswith("3.corrupted-")

@@ -11,12 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxtrain.config import default_config
 from jaxtrain.models import moe
 from jaxtrain.parallel.expert_parallel import Sequences
 from jaxtrain.train import setup as train_setup, loop as trainer
 from tests.moe_helpers import on_short_rows, with_changes
 from tests.helpers import (REPO, assert_curves_close, assert_one_line_config_error, mesh_of,
-                           packed_batch, train_curves)
+                           packed_batch)
 
 DEEPSEEK_TINY = os.path.join(REPO, "configs", "deepseek_tiny.py")
 
@@ -43,30 +44,63 @@ def _biases(state):
           if moe.is_router_bias(path)]
 
 
-def test_train_steps_move_the_biases_by_the_rate_and_the_optimizer_never():
-  """Biases set to 0.5 move by exactly -rate, 0 or +rate per step: AdamW's weight decay (or
-  any update of the optimizer's) would put them off that grid (0.5 * lr * 0.1 = 6e-6 at the
-  second step's learning rate)."""
-  c = _deepseek_tiny()
-  rate = c.moe.bias_update_rate = 1e-3
-  setup = train_setup.build(c, mesh_of({}))
+def _train(config, shape, steps: int = 20):
+  """(train_curves' {"loss", "grad_norm"}, [the routers' correction biases before each step and
+  after the last], [each step's metrics]) of `steps` train steps of `config` on the mesh
+  `shape`, on train_curves' batches, from the seed-0 init with every correction bias set to
+  0.5: equal biases choose the experts zero biases do, and off zero AdamW's weight decay would
+  move them."""
+  setup = train_setup.build(config, mesh_of(shape))
   state = train_setup.init_state(setup, seed=0)
   state = state.replace(params=jax.tree_util.tree_map_with_path(
       lambda path, x: jnp.full_like(x, 0.5) if moe.is_router_bias(path) else x, state.params))
+  curves, biases, metrics = {"loss": [], "grad_norm": []}, [_biases(state)], []
   with jax.set_mesh(setup.mesh):
-    for step in range(3):
-      before = np.concatenate([b.reshape(-1, 8) for b in _biases(state)])
-      batch = packed_batch(8, 64, c.model.vocab_size, seed=step)
-      state, metrics = setup.train_step(state, trainer.to_global_batch(batch, setup.mesh))
-      assert moe.EXPERT_LOAD not in metrics and metrics["moe_seq_aux_loss"] > 0
-      assert step == 0 or float(metrics["learning_rate"]) > 0
-      # The three MoE layers' stack, then the multi-token-prediction module's MoE block.
-      assert [b.shape for b in _biases(state)] == [(3, 8), (8,)]
-      after = np.concatenate([b.reshape(-1, 8) for b in _biases(state)])
-      moved = np.round((after - before) / rate)
-      np.testing.assert_allclose(after - before, moved * rate, atol=1e-7)
-      assert set(np.unique(moved)) <= {-1.0, 0.0, 1.0}
-      assert np.any(moved == -1) and np.any(moved == 1)
+    for step in range(steps):
+      batch = packed_batch(config.train.global_batch_size, config.train.seq_len,
+                           config.model.vocab_size, seed=step, docs_per_row=3)
+      state, step_metrics = setup.train_step(state, trainer.to_global_batch(batch, setup.mesh))
+      metrics.append(jax.device_get(step_metrics))
+      biases.append(_biases(state))
+      for key, values in curves.items():
+        values.append(float(step_metrics[key]))
+  return curves, biases, metrics
+
+
+def _assert_biases_moved_by_the_rate(biases, metrics, rate):
+  """Every step moved each bias by exactly -rate, 0 or +rate, some down and some up."""
+  for step, (before, after, step_metrics) in enumerate(zip(biases, biases[1:], metrics)):
+    assert moe.EXPERT_LOAD not in step_metrics and step_metrics["moe_seq_aux_loss"] > 0
+    assert step == 0 or float(step_metrics["learning_rate"]) > 0
+    # The three MoE layers' stack, then the multi-token-prediction module's MoE block.
+    assert [b.shape for b in after] == [(3, 8), (8,)]
+    before, after = (np.concatenate([b.reshape(-1, 8) for b in bs]) for bs in (before, after))
+    moved = np.round((after - before) / rate)
+    np.testing.assert_allclose(after - before, moved * rate, atol=1e-7, err_msg=f"step {step}")
+    assert set(np.unique(moved)) <= {-1.0, 0.0, 1.0}, step
+    assert np.any(moved == -1) and np.any(moved == 1), step
+
+
+@pytest.mark.slow(seconds=50)
+def test_biases_step_by_the_rate_and_expert_parallel_training_equals_one_device_for_20_steps():
+  """Bias balancing and the sequence-wise loss on, one device and the experts split 2 ways
+  beside data and tensor parallelism (the loads and the per-row statistics summed across all
+  three), 20 steps each (one test: the one-device run serves both claims):
+
+  - biases set to 0.5 move by exactly -rate, 0 or +rate per step, in both runs: AdamW's weight
+    decay (or any update of the optimizer's) would put them off that grid (0.5 * lr * 0.1 =
+    6e-6 at the second step's learning rate). The rate is deepseek_tiny's 0.01, not the
+    default config's 0.001: the step uses the configured one.
+  - float32 losses and gradient norms within 1e-5 of one device's at each of the 20 steps."""
+  config = _deepseek_tiny()
+  rate = config.moe.bias_update_rate
+  assert rate == 0.01 != default_config().moe.bias_update_rate
+  one_device, biases, metrics = _train(config, {})
+  _assert_biases_moved_by_the_rate(biases, metrics, rate)
+  mesh = dict(expert=2, data=2, tensor=2)
+  expert_parallel, biases, metrics = _train(_deepseek_tiny(**mesh), mesh)
+  _assert_biases_moved_by_the_rate(biases, metrics, rate)
+  assert_curves_close(expert_parallel, one_device, rtol=1e-5)
 
 
 def test_sequence_wise_balance_loss_equals_a_per_row_reference():
@@ -76,10 +110,15 @@ def test_sequence_wise_balance_loss_equals_a_per_row_reference():
   routing = moe.Routing(num_experts=x, top_k=k, norm_topk_prob=True, capacity_factor=0.0,
                         activation="silu", matmul_impl="blocked", dtype="float32",
                         score="sigmoid", n_group=2, topk_group=1, sequence_balance=True)
-  probs_NX, _, experts_NK = moe.route(logits_NX, routing)
   mask_N = jnp.asarray(rng.random(rows * t) > 0.2)
-  stats = moe.router_stats(logits_NX, probs_NX, experts_NK, mask_N, jnp.zeros(rows * t * k, bool),
-                           lambda tree: tree, Sequences(rows=rows))
+
+  @jax.jit
+  def route_and_stats(logits_NX, mask_N):
+    probs_NX, _, experts_NK = moe.route(logits_NX, routing)
+    return probs_NX, experts_NK, moe.router_stats(
+        logits_NX, probs_NX, experts_NK, mask_N, jnp.zeros(rows * t * k, bool),
+        lambda tree: tree, Sequences(rows=rows))
+  probs_NX, experts_NK, stats = route_and_stats(logits_NX, mask_N)
   want = []
   for r in range(rows):
     keep = np.asarray(mask_N).reshape(rows, t)[r]
@@ -89,21 +128,6 @@ def test_sequence_wise_balance_loss_equals_a_per_row_reference():
     want.append(np.sum(f * scores.mean(axis=0)))
   assert float(stats["sequences"]) == rows
   np.testing.assert_allclose(float(stats["seq_aux_sum"]) / rows, np.mean(want), rtol=1e-6)
-
-
-@pytest.fixture(scope="module")
-def one_device_curves():
-  return train_curves(_deepseek_tiny(), {}, steps=20)
-
-
-@pytest.mark.slow
-def test_expert_parallel_training_equals_one_device_for_20_steps(one_device_curves):
-  """Bias balancing and the sequence-wise loss on: float32 losses and gradient norms within
-  1e-5 of one device's at each of 20 steps, the experts split 2 ways beside data and tensor
-  parallelism (the loads and the per-row statistics summed across all three)."""
-  mesh = dict(expert=2, data=2, tensor=2)
-  assert_curves_close(train_curves(_deepseek_tiny(**mesh), mesh, steps=20), one_device_curves,
-                      rtol=1e-5)
 
 
 @pytest.mark.parametrize("changes,words", [
@@ -123,33 +147,6 @@ def test_bad_deepseek_settings_are_one_line_errors(changes, words):
   assert_one_line_config_error(with_changes(_deepseek_tiny(), changes), 1, words)
 
 
-@pytest.mark.parametrize("q_lora_rank,yarn", [(48, False), (0, True)])
-def test_generation_from_the_latent_cache_equals_the_forward_pass(q_lora_rank, yarn):
-  """A 10-token prefill, then one token at a time from the cache of latents and RoPE keys,
-  gives the full forward's float32 logits at every position (with and without the query
-  bottleneck; YaRN's softmax scale on the absorbed path too)."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from jaxtrain.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
-  from jaxtrain.models.sharding import create_model  # pylint: disable=import-outside-toplevel
-  c = _deepseek_tiny()
-  c.model.q_lora_rank = q_lora_rank
-  if yarn:
-    y = c.model.rope_scaling
-    y.type, y.factor, y.original_max_position_embeddings = "yarn", 4.0, 16
-    y.beta_fast, y.beta_slow, y.mscale, y.mscale_all_dim = 32.0, 1.0, 1.0, 0.707
-  model = create_model(ModelConfig.from_config(c, platform="cpu"), mesh_of({}), seed=0)
-  assert set(model.empty_cache(2, 24)) == {"latent", "k_rope"}
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 24)), jnp.int32)
-  want = np.asarray(model(tokens))
-  step = nnx.jit(type(model).forward_with_cache)
-  logits, cache = step(model, tokens[:, :10], jnp.zeros(2, jnp.int32), model.empty_cache(2, 24))
-  got = [np.asarray(logits)]
-  for i in range(10, 24):
-    logits, cache = step(model, tokens[:, i:i + 1], jnp.full(2, i, jnp.int32), cache)
-    got.append(np.asarray(logits))
-  np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=1e-5, rtol=0)
-
-
 @pytest.fixture(scope="module")
 def two_depths():
   """deepseek_tiny's model with two prediction modules, and its forward jitted once."""
@@ -165,6 +162,38 @@ def two_depths():
   forward = nnx.jit(type(model).hidden_states_with_predictions)
   np.testing.assert_allclose(np.asarray(forward(model, tokens)[1][0]), eager, atol=1e-5)
   return c, model, forward
+
+
+@pytest.mark.parametrize("q_lora_rank,yarn", [(48, False), (0, True)])
+def test_generation_from_the_latent_cache_equals_the_forward_pass(q_lora_rank, yarn, request):
+  """A 10-token prefill, then one token at a time from the cache of latents and RoPE keys,
+  gives the full forward's float32 logits at every position (with and without the query
+  bottleneck; YaRN's softmax scale on the absorbed path too). With the bottleneck: the
+  two-depth model of the prediction tests (deepseek_tiny's, whose prediction modules
+  generation leaves out)."""
+  from jaxtrain.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  from jaxtrain.models.sharding import create_model  # pylint: disable=import-outside-toplevel
+  if (q_lora_rank, yarn) == (48, False):
+    c, model, _ = request.getfixturevalue("two_depths")
+    assert c.model.q_lora_rank == 48 and c.model.rope_scaling.type != "yarn"
+  else:
+    c = _deepseek_tiny()
+    c.model.q_lora_rank = q_lora_rank
+    if yarn:
+      y = c.model.rope_scaling
+      y.type, y.factor, y.original_max_position_embeddings = "yarn", 4.0, 16
+      y.beta_fast, y.beta_slow, y.mscale, y.mscale_all_dim = 32.0, 1.0, 1.0, 0.707
+    model = create_model(ModelConfig.from_config(c, platform="cpu"), mesh_of({}), seed=0)
+  assert set(model.empty_cache(2, 24)) == {"latent", "k_rope"}
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 24)), jnp.int32)
+  want = np.asarray(nnx.jit(type(model).__call__)(model, tokens))
+  step = nnx.jit(type(model).forward_with_cache)
+  logits, cache = step(model, tokens[:, :10], jnp.zeros(2, jnp.int32), model.empty_cache(2, 24))
+  got = [np.asarray(logits)]
+  for i in range(10, 24):
+    logits, cache = step(model, tokens[:, i:i + 1], jnp.full(2, i, jnp.int32), cache)
+    got.append(np.asarray(logits))
+  np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=1e-5, rtol=0)
 
 
 def test_each_prediction_depth_sees_one_more_token_and_no_later_one(two_depths):
@@ -192,9 +221,10 @@ def test_prediction_losses_are_each_depths_cross_entropy_within_documents(two_de
   c, model, forward = two_depths
   batch = {k: jnp.asarray(v) for k, v in packed_batch(4, 32, 256, seed=3).items()}
   graphdef, params = nnx.split(model)
-  losses = jax.jit(lambda p, b, training: loss_sum_fn(p, graphdef, b, 32, training=training),
-                   static_argnums=2)
-  loss_sum, count, metrics = losses(params, batch, True)
+  # Training's loss and the loss without training's terms, in one program.
+  losses = jax.jit(lambda p, b: tuple(loss_sum_fn(p, graphdef, b, 32, training=training)
+                                      for training in (True, False)))
+  (loss_sum, count, metrics), (without, _, _) = losses(params, batch)
   _, states = forward(model, batch["inputs"], batch["positions"], batch["segment_ids"])
   w = np.asarray(model.head_DV[...], np.float64)
   targets, mask, seg = (np.asarray(batch[k]) for k in ("targets", "loss_mask", "segment_ids"))
@@ -213,7 +243,6 @@ def test_prediction_losses_are_each_depths_cross_entropy_within_documents(two_de
     means.append(total / n)
   np.testing.assert_allclose(float(metrics["mtp_loss"]) / float(count), np.mean(means),
                              rtol=2e-5)
-  without = losses(params, batch, False)[0]
   router = float(metrics["moe_seq_aux_loss"]) / float(count) * c.moe.seq_aux_loss_coef
   np.testing.assert_allclose((float(loss_sum) - float(without)) / float(count),
                              c.model.mtp_loss_weight / 2 * sum(means) + router, rtol=1e-4)

@@ -219,25 +219,6 @@ def test_optimizer_state_offload_on_cpu():
   assert measured.opt_device < 64 and measured.opt_host >= 2 * measured.params - 64
 
 
-@pytest.mark.slow
-def test_offloaded_optimizer_state_on_a_deviceless_gpu_target_is_counted_in_host_memory():
-  """A deviceless GPU compile has no host memory space: the moments compile on the device, and
-  the figures move their exact bytes to host memory, saying so, as the suggestion does."""
-  from jaxtrain import hardware as targets  # pylint: disable=import-outside-toplevel
-  target = targets.parse("h100x1")
-  if targets.compiler_missing(target):
-    pytest.skip(targets.compiler_missing(target))
-  config = small_config()
-  config.target, config.mesh.fsdp = "h100x1", 1
-  plain = aot.measure(config, targets.devices(target))
-  config.optim.offload_state = True
-  offload = aot.measure(config, targets.devices(target))
-  assert not plain.offload_note and plain.opt_host == 0 and plain.opt_device > 0
-  assert offload.opt_device == 0 and offload.opt_host == plain.opt_device
-  assert offload.total == plain.total - plain.opt_device
-  assert "cannot be compiled for GPU without a device" in offload.offload_note
-
-
 def test_offload_remat_policies_give_the_same_grads():
   """On CPU the offload annotations compile and run; values equal the base policy's."""
   batch = packed_batch(4, 32, 128)

@@ -2,7 +2,10 @@
 in metrics.jsonl are the whole global batch's, so they equal a 1-process run of the same config
 (same mesh, same data shards, so the same global stream of prompts and the same sampled
 completions), not process 0's share; the 1-process run goes in this process (run_cli). A reward
-function failing on one process only makes both skip that batch of rollouts together."""
+function failing on one process only makes both skip that batch of rollouts together. One run on
+each process count serves both: its reward function fails at step 2 on the last process only (on
+2 processes process 1's, never process 0's), so the 1-process run skips that batch too and the
+two runs still draw the same prompts and completions at every step."""
 
 import json
 import os
@@ -36,13 +39,14 @@ EVAL_KEYS = ("eval_reward_mean", "eval_completion_len_mean")
 _calls = [0]
 
 
-def fails_on_process_1(prompts, completions, **columns):
-  """`letters`, except that process 1's second call raises (the run's processes import this
-  module as "tests.test_grpo_multiprocess:fails_on_process_1")."""
+def fails_on_the_last_process(prompts, completions, **columns):
+  """`letters`, except that the last process's second call (step 2's rollouts) raises: on 2
+  processes process 1's only, on 1 process its own (the runs' processes import this module as
+  "tests.test_grpo_multiprocess:fails_on_the_last_process")."""
   import jax  # pylint: disable=import-outside-toplevel
   _calls[0] += 1
-  if jax.process_index() == 1 and _calls[0] == 2:
-    raise RuntimeError("the grader of process 1 timed out")
+  if jax.process_index() == jax.process_count() - 1 and _calls[0] == 2:
+    raise RuntimeError("the grader of the last process timed out")
   return reward_fixtures.letters(prompts, completions, **columns)
 
 
@@ -100,12 +104,26 @@ def _records(workdir):
   return ([r for r in records if "loss" in r], [r for r in records if "eval_loss" in r])
 
 
+# Both runs: skip the batch whose rewards failed; the eval at the last step (3).
+FAILING = ["--config.grpo.on_reward_error=skip",
+           "--config.grpo.reward_fns=tests.test_grpo_multiprocess:fails_on_the_last_process"]
+
+
 @pytest.mark.slow(seconds=40)
-def test_two_processes_log_the_global_batchs_reward_metrics(tmp_path):
+def test_two_processes_log_the_global_batchs_metrics_and_skip_a_failed_batch_together(tmp_path):
+  """The 2-process run against the 1-process one (in this process, at the same time), both
+  with process 1's (the last process's) reward function failing at step 2. Its metrics are the
+  global batch's: equal to the 1-process run's at every step. And the failure on one process:
+  with grpo.on_reward_error='skip' both processes drop that batch of rollouts and draw the next
+  prompts together (one alone would leave the other waiting in a different collective), and the
+  run finishes with reward_errors 1. (Without that, they hung: process 0 in the train step's
+  collectives, process 1 in the next rollouts'.) Two tests once, each with a 2-process run of
+  its own: every assertion of both is here."""
   from tests.helpers import run_cli  # pylint: disable=import-outside-toplevel
-  two = _launch(tmp_path / "two")
+  two = _launch(tmp_path / "two", *FAILING)
   try:
-    one = run_cli(*ARGS, f"--workdir={tmp_path / 'one'}", devices=8)
+    _calls[0] = 0  # this process's count: the 1-process run's calls only
+    one = run_cli(*ARGS, *FAILING, f"--workdir={tmp_path / 'one'}", devices=8)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
   finally:
     out = _finish(two, timeout=300)
@@ -133,20 +151,8 @@ def test_two_processes_log_the_global_batchs_reward_metrics(tmp_path):
   # The sampler's log-probs came back from both processes' rows, aligned with the trainer's.
   assert all(0.0 <= r["logprob_mismatch"] < 1e-4 for r in got_train)
 
-
-@pytest.mark.slow(seconds=30)
-def test_a_reward_failure_on_one_process_skips_the_batch_on_both(tmp_path):
-  """Process 1's reward function fails at step 2 (process 0's does not): with
-  grpo.on_reward_error='skip' both processes drop that batch of rollouts and draw the next
-  prompts together (one alone would leave the other waiting in a different collective), and the
-  run finishes with reward_errors 1. (Without that, they hung: process 0 in the train step's
-  collectives, process 1 in the next rollouts'.)"""
-  out = _finish(_launch(tmp_path, "--config.train.eval_every=100",
-                        "--config.grpo.on_reward_error=skip",
-                        "--config.grpo.reward_fns=tests.test_grpo_multiprocess:fails_on_process_1"),
-                timeout=180)
+  # Process 1 alone failed at step 2; process 0 says so, and both skipped that batch.
   assert ("warning: step 2: a reward function failed on another process of this run" in out
           and "batch of rollouts skipped" in out), out[-3000:]
-  train, _ = _records(tmp_path)
-  assert [r["step"] for r in train] == [1, 2, 3]
-  assert [r["reward_errors"] for r in train] == [0, 1, 1]
+  assert [r["reward_errors"] for r in got_train] == [r["reward_errors"] for r in want_train] == [
+      0, 1, 1]

@@ -69,8 +69,20 @@ def _rollout_batch(config, seed=0, old_logprobs=False):
   return rows
 
 
+_SETUPS = {}
+
+
+def _built(config, mesh_shape=(1, 1, 1)):
+  """train_setup.build(config, mesh_of(mesh_shape)), once per config and mesh in this module:
+  the tests of one config share its jitted init and train step (traced and compiled once)."""
+  key = (str(config), tuple(mesh_shape))
+  if key not in _SETUPS:
+    _SETUPS[key] = train_setup.build(config, mesh_of(mesh_shape))
+  return _SETUPS[key]
+
+
 def _losses_and_grads(config, batch, mesh_shape=(1, 1, 1)):
-  setup = train_setup.build(config, mesh_of(mesh_shape))
+  setup = _built(config, mesh_shape)
   state = train_setup.init_state(setup, seed=0)
   with jax.set_mesh(setup.mesh):
     after, metrics = setup.train_step(state, trainer.to_global_batch(batch, setup.mesh))
@@ -103,27 +115,35 @@ def test_accumulation_and_meshes_give_the_full_batch_step(iterations, mesh_shape
   assert float(want_metrics["tokens"]) == config.train.global_batch_size * G  # sequences
 
 
+@nnx.jit
+def _full_logprobs(model, batch):
+  """The targets' log-probs from the full logits, no chunking."""
+  logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+  return jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
+                             batch["targets"][..., None], axis=-1)[..., 0]
+
+
 @pytest.mark.slow
 def test_loss_equals_grpo_loss_of_the_models_token_logprobs():
   """The objective's loss is jaxtrain.objectives.grpo.loss.grpo_loss of the policy's per-token
-  log-probs, with the reference's (here: the same initial params) and the batch's advantages."""
-  config = grpo_config(beta=0.1)
+  log-probs, with the reference's (here: the same initial params; the default KL penalty,
+  beta 0.04) and the batch's advantages."""
+  config = grpo_config()
+  assert config.grpo.beta > 0  # the reference takes part
   batch = _rollout_batch(config, seed=3)
-  setup = train_setup.build(config, mesh_of((1, 1, 1)))
+  setup = _built(config)  # the accumulation test's one-device full-batch setup
   state = train_setup.init_state(setup, seed=0)
   model = nnx.merge(setup.graphdef, state.params)
-  logprobs = grpo.token_logprobs(model, {k: jnp.asarray(v) for k, v in batch.items()},
-                                 chunk_size=7)
+  device_batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  logprobs = nnx.jit(grpo.token_logprobs, static_argnames="chunk_size")(
+      model, device_batch, chunk_size=7)
   # Against the full logits, no chunking.
-  logits = model(jnp.asarray(batch["inputs"]), jnp.asarray(batch["positions"]),
-                 jnp.asarray(batch["segment_ids"]))
-  full = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
-                             jnp.asarray(batch["targets"])[..., None], axis=-1)[..., 0]
+  full = _full_logprobs(model, device_batch)
   mask = batch["loss_mask"] > 0
   np.testing.assert_allclose(np.asarray(logprobs)[mask], np.asarray(full)[mask], rtol=1e-5,
                              atol=1e-5)
   want, want_metrics = grpo.grpo_loss(logprobs, logprobs, logprobs, batch["advantages"],
-                                      batch["loss_mask"], beta=0.1)
+                                      batch["loss_mask"], beta=config.grpo.beta)
   with jax.set_mesh(setup.mesh):
     _, metrics = setup.train_step(state, trainer.to_global_batch(batch, setup.mesh))
   np.testing.assert_allclose(float(metrics["loss"]), float(want), rtol=1e-5, atol=1e-7)
@@ -147,10 +167,10 @@ def test_cached_decode_equals_the_forward_under_lora_and_qlora():
     model = create_model(cfg, mesh_of((1, 1, 1)), seed=0)
     # Non-zero adapters (they start at B = 0), so a decode that skipped them would differ.
     params = nnx.state(model, nnx.Param)
-    noisy = jax.tree.map(lambda x: x + 0.05 * jnp.ones_like(x) if x.ndim >= 2 else x, params)
+    noisy = jax.jit(lambda p: jax.tree.map(lambda x: x + 0.05 if x.ndim >= 2 else x, p))(params)
     nnx.update(model, noisy)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 10)), jnp.int32)
-    want = model(tokens)
+    want = nnx.jit(lambda m, t: m(t))(model, tokens)
     step = nnx.jit(Decoder.forward_with_cache)
     cache = model.empty_cache(2, 10)
     got, cache = step(model, tokens[:, :4], jnp.zeros(2, jnp.int32), cache)

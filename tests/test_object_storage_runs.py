@@ -24,8 +24,8 @@ from jaxtrain.checkpointing import checkpointer as checkpoint, mirror as checkpo
 from jaxtrain.checkpointing import weights as checkpoint_weights
 from jaxtrain.data import prepare
 from tests.data_helpers import make_docs, write_jsonl
-from tests.helpers import (REPO, SMALL_TINY_ARGS, main_command, main_env, run_cli, run_generate,
-                           run_tiny)
+from tests.helpers import (REPO, SMALL_TINY_ARGS, cli_process_command, cli_process_env,
+                           main_command, main_env, run_cli, run_generate, run_tiny)
 from tests.object_store import s3_server
 
 STEPS = 12
@@ -96,11 +96,12 @@ def _lose_local_files():
 
 
 def _kill_once_complete(url, step, data) -> list[int]:
-  """Starts the run on `url` (reading `data`) in its own process and SIGKILLs it as soon as the bucket holds a
-  complete checkpoint of `step` or later; returns the complete steps at the kill."""
-  proc = subprocess.Popen(main_command("--config=configs/tiny.py", f"--workdir={url}",
-                                       *SMALL_TINY_ARGS, *COMMON, *data),
-                          cwd=REPO, env=main_env(), stdout=subprocess.DEVNULL,
+  """Starts the run on `url` (reading `data`) in a jaxtrain.main process of its own, sharing this
+  process's compilations (helpers.cli_process_command), and SIGKILLs it as soon as the bucket
+  holds a complete checkpoint of `step` or later; returns the complete steps at the kill."""
+  proc = subprocess.Popen(cli_process_command("--config=configs/tiny.py", f"--workdir={url}",
+                                              *SMALL_TINY_ARGS, *COMMON, *data),
+                          cwd=REPO, env=cli_process_env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
   while time.time() < deadline and proc.poll() is None:

@@ -69,8 +69,10 @@ def test_pipeline_equals_the_layers_in_order_with_gradients(stages, microbatches
   def loss(fn):
     return lambda layers, x_M: jnp.sum(jnp.sin(fn(layers, x_M)))
 
-  want = _sequential(layers, x_M, pos_M)
-  want_grads = jax.grad(loss(lambda p, x: _sequential(p, x, pos_M)), argnums=(0, 1))(layers, x_M)
+  # The reference jitted too (eagerly, each of its operations would compile on its own).
+  want = jax.jit(_sequential)(layers, x_M, pos_M)
+  want_grads = jax.jit(jax.grad(loss(lambda p, x: _sequential(p, x, pos_M)), argnums=(0, 1)))(
+      layers, x_M)
   with jax.set_mesh(mesh):
     got = jax.jit(piped)(layers, x_M)
     grads = jax.jit(jax.grad(loss(piped), argnums=(0, 1)))(layers, x_M)

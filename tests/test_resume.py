@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import (REPO, SMALL_TINY_ARGS, assert_curves_close, logged_curves,
-                           main_command, main_env, metrics_records, run_cli, run_tiny)
+from tests.helpers import (REPO, SMALL_TINY_ARGS, assert_curves_close, cli_process_command,
+                           cli_process_env, logged_curves, metrics_records, run_cli, run_tiny)
 
 SMALL = SMALL_TINY_ARGS
 STEPS = 12
@@ -42,10 +42,12 @@ def _saving(workdir) -> bool:
 
 
 def kill_after_step(workdir, step, during_save=False, args=None):
-  """Starts a run (of `args`, default the tiny one here) and SIGKILLs it once metrics.jsonl
-  shows `step` (and, with `during_save`, at the next moment a checkpoint is half written)."""
+  """Starts a run (of `args`, default the tiny one here) in a jaxtrain.main process of its own
+  that shares this process's compilations (helpers.cli_process_command) and SIGKILLs it once
+  metrics.jsonl shows `step` (and, with `during_save`, at the next moment a checkpoint is half
+  written)."""
   args = _args(workdir) if args is None else args
-  proc = subprocess.Popen(main_command(*args), cwd=REPO, env=main_env(),
+  proc = subprocess.Popen(cli_process_command(*args), cwd=REPO, env=cli_process_env(),
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   path = os.path.join(workdir, "metrics.jsonl")
   deadline = time.time() + 300
@@ -152,8 +154,9 @@ def test_sigterm_saves_exits_0_and_resume_continues(tmp_path):
   args = ["--config.train.steps=2000", f"--config.optim.decay_steps={STEPS}",
           "--config.optim.warmup_steps=2", "--config.train.log_every=1",
           "--config.train.eval_every=1000", "--config.checkpoint.every_steps=1000"]
-  cmd = main_command("--config=configs/tiny.py", f"--workdir={tmp_path}", *SMALL)
-  proc = subprocess.Popen(cmd + args, cwd=REPO, env=main_env(), stdout=subprocess.PIPE,
+  # A jaxtrain.main process of its own, sharing this process's compilations.
+  cmd = cli_process_command("--config=configs/tiny.py", f"--workdir={tmp_path}", *SMALL, *args)
+  proc = subprocess.Popen(cmd, cwd=REPO, env=cli_process_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
   _wait_for_step(proc, tmp_path, 3)
   proc.send_signal(signal.SIGTERM)

@@ -28,6 +28,11 @@ def _model(seed=0):
   return create_model(CFG, mesh_of((1, 1, 1)), seed=seed)
 
 
+# Jitted rather than op by op: each primitive run outside jit compiles on its own.
+_forward = nnx.jit(lambda model, ids: model(ids))
+_sequence_rewards = nnx.jit(reward.sequence_rewards)
+
+
 def _rows(rng, b, t):
   """Right-padded rows of random lengths (at least 2 tokens), zeros after the end."""
   ids = rng.integers(1, CFG.arch.vocab_size, (b, t)).astype(np.int32)
@@ -46,7 +51,7 @@ def test_the_score_head_replaces_the_vocabulary_head():
   assert "score_D1" in names and "head_DV" not in names
   assert sum(x.size for x in jax.tree.leaves(params)) == cost.param_count(CFG.arch)
   ids, _ = _rows(np.random.default_rng(0), 2, 8)
-  assert model(ids).shape == (2, 8)
+  assert _forward(model, ids).shape == (2, 8)
   with pytest.raises(ValueError, match="score head"):
     model.head_weights()
 
@@ -54,10 +59,10 @@ def test_the_score_head_replaces_the_vocabulary_head():
 def test_a_sequence_reward_is_its_last_real_token_score_and_padding_does_not_change_it():
   model = _model()
   ids, mask = _rows(np.random.default_rng(1), 4, 12)
-  got = nnx.jit(reward.sequence_rewards)(model, ids, mask)
+  got = _sequence_rewards(model, ids, mask)
   for b in range(4):
     n = int(mask[b].sum())
-    alone = model(ids[b:b + 1, :n])  # the unpadded sequence on its own
+    alone = _forward(model, ids[b:b + 1, :n])  # the unpadded sequence on its own
     np.testing.assert_allclose(got[b], alone[0, n - 1], rtol=1e-5, atol=1e-6)
 
 
@@ -83,7 +88,7 @@ def test_reward_sums_score_both_sides_in_one_pass():
   batch = {"chosen_input_ids": ci, "chosen_attention_mask": cm,
            "rejected_input_ids": ri, "rejected_attention_mask": rm}
   loss_sum, count, sums = nnx.jit(reward.reward_sums)(model, batch)
-  r_c, r_r = reward.sequence_rewards(model, ci, cm), reward.sequence_rewards(model, ri, rm)
+  r_c, r_r = _sequence_rewards(model, ci, cm), _sequence_rewards(model, ri, rm)
   assert float(count) == 3
   np.testing.assert_allclose(loss_sum, np.sum(np.log1p(np.exp(-(r_c - r_r)))), rtol=1e-5)
   np.testing.assert_allclose(sums["accuracy"], np.sum(r_c > r_r))
@@ -125,8 +130,8 @@ def test_a_language_model_checkpoint_starts_a_reward_model(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   workdir = tmp_path / "reward"
   proc = run_cli("--config=configs/reward_tiny.py", "--config.train.steps=1",
-                 "--config.train.log_every=1", f"--config.checkpoint.init_from={lm}",
-                 f"--workdir={workdir}")
+                 "--config.train.log_every=1", "--config.train.eval_batches=1",
+                 f"--config.checkpoint.init_from={lm}", f"--workdir={workdir}")
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   first = [r for r in map(json.loads, open(workdir / "metrics.jsonl", encoding="utf-8"))
            if "loss" in r][0]

@@ -68,10 +68,10 @@ def _pair_accuracy(model, config, n=64):
                     config.train.seq_len + 1) for r in records]
   rows = [r for r in rows if r is not None]
   stack = lambda k: jnp.asarray(np.stack([r[k] for r in rows]))
-  chosen = reward.sequence_rewards(model, stack("chosen_input_ids"),
-                                   stack("chosen_attention_mask"))
-  rejected = reward.sequence_rewards(model, stack("rejected_input_ids"),
-                                     stack("rejected_attention_mask"))
+  sequence_rewards = nnx.jit(reward.sequence_rewards)  # not op by op
+  chosen = sequence_rewards(model, stack("chosen_input_ids"), stack("chosen_attention_mask"))
+  rejected = sequence_rewards(model, stack("rejected_input_ids"),
+                              stack("rejected_attention_mask"))
   return float(np.mean(np.asarray(chosen) > np.asarray(rejected)))
 
 
@@ -99,7 +99,8 @@ def test_qlora_reward_and_lora_ppo_train_their_heads(tmp_path):
   proc = run_cli("--config=configs/reward_tiny.py", f"--workdir={tmp_path / 'qlora'}",
                  "--config.lora.rank=8", "--config.lora.quantize_base=int8",
                  "--config.optim.learning_rate=2e-3", "--config.train.steps=20",
-                 "--config.train.eval_every=20", "--config.train.log_every=10")
+                 "--config.train.eval_every=20", "--config.train.eval_batches=1",
+                 "--config.train.log_every=10")
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   first, last = _records(tmp_path / "qlora", "loss")[0], _records(tmp_path / "qlora", "loss")[-1]
   assert last["loss"] < first["loss"] and last["accuracy"] > 0.5

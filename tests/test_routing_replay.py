@@ -9,6 +9,7 @@ import json
 import os
 
 import jax
+from flax import nnx
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,12 +71,16 @@ def test_a_rollouts_recorded_routing_replays_into_the_training_row(scan_layers):
   real_BT = rows["segment_ids"] > 0
   assert (routing_BTLK[real_BT] >= 0).all() and (routing_BTLK[~real_BT] == -1).all()
 
+  @nnx.jit
+  def forward(model, inputs, positions, segment_ids, routing_LBTK):
+    kwargs = {} if routing_LBTK is None else {"routing_LBTK": routing_LBTK}
+    x = model.hidden_states(inputs, positions, segment_ids, **kwargs)
+    return jnp.einsum("BTD,DV->BTV", x, model.head_weights())
+
   def logits(routing_BTLK):
-    kwargs = {} if routing_BTLK is None else {
-        "routing_LBTK": jnp.moveaxis(jnp.asarray(routing_BTLK), 2, 0)}
-    x = model.hidden_states(jnp.asarray(rows["inputs"]), jnp.asarray(rows["positions"]),
-                            jnp.asarray(rows["segment_ids"]), **kwargs)
-    return np.asarray(jnp.einsum("BTD,DV->BTV", x, model.head_weights()))[real_BT]
+    routing_LBTK = None if routing_BTLK is None else jnp.moveaxis(jnp.asarray(routing_BTLK), 2, 0)
+    return np.asarray(forward(model, jnp.asarray(rows["inputs"]), jnp.asarray(rows["positions"]),
+                              jnp.asarray(rows["segment_ids"]), routing_LBTK))[real_BT]
   free = logits(None)
   # On CPU in float32 the decode loop routes as the training pass does: replaying the record
   # changes nothing.
@@ -128,10 +133,10 @@ def test_replay_shrinks_the_bfloat16_logprob_mismatch_of_an_moe_policy():
                        np.asarray(sampler_BN), np.transpose(np.asarray(routing_LBSK), (1, 2, 0, 3)))
   mask_BT = rows["loss_mask"] > 0
   gaps = {}
+  logprobs = nnx.jit(lambda model, batch: grpo.token_logprobs(model, batch, chunk_size=16))
   for replay in (False, True):
     keys = grpo.TOKEN_KEYS + ((grpo.ROUTING,) if replay else ())
-    trained_BT = grpo.token_logprobs(model, {k: jnp.asarray(rows[k]) for k in keys},
-                                     chunk_size=16)
+    trained_BT = logprobs(model, {k: jnp.asarray(rows[k]) for k in keys})
     gaps[replay] = np.abs(np.asarray(trained_BT) - rows[grpo.SAMPLER_LOGPROBS])[mask_BT]
   assert gaps[False].max() > 0.1  # some tokens routed differently (4.3 here)
   assert gaps[True].max() < 0.5 * gaps[False].max(), (gaps[True].max(), gaps[False].max())

@@ -3,8 +3,10 @@
 The kernel tests compile the tiny config's train step for an H100 (XLA's GPU compiler, from the
 CUDA plugin) and a TPU v5p (libtpu) on this CPU-only host, and look for the kernels' custom calls
 in the compiled program: the acceptance test that the dry run measures the program the
-accelerator would run, not a CPU stand-in. The compilers come with the dev extra; a test skips,
-saying what to install, where one is missing.
+accelerator would run, not a CPU stand-in. Our Pallas kernels are compiled for tiny.py as Gemma 3
+(both layer types in one scanned stack: the windowed and the full kernels), cuDNN's for tiny.py's
+Llama; the deviceless GPU offload test reads the cuDNN compile. The compilers come with the dev
+extra; a test skips, saying what to install, where one is missing.
 """
 
 import importlib.util
@@ -129,15 +131,39 @@ def test_scaled_target():
 
 # --- the real compilers' kernels ---------------------------------------------------------------
 
-def _tiny(target, impl):
-  """configs/tiny.py for `target` with attention.impl=`impl`: 8 sequences of 256 tokens over
-  an fsdp mesh of all the target's devices."""
+# configs/tiny.py as Gemma 3 with every switch of the family in play (helpers.FAMILY_OVERRIDES):
+# sliding and full layers alternating in one scanned stack, a 64-token window on the 256-token
+# rows, the sliding layers' own RoPE, the softmax scale, the tied head, linear RoPE scaling.
+GEMMA3 = {"model.family": "gemma3", "model.sliding_window": 64,
+          "model.layer_types": "sliding,full,sliding,full", "model.local_rope_theta": 1e4,
+          "model.query_pre_attn_scalar": 24.0, "model.tie_embeddings": True,
+          "model.rope_scaling.type": "linear", "model.rope_scaling.factor": 8.0}
+# The kernel tests: (target, attention.impl, the kernels' custom call, config changes). The
+# Pallas targets compile tiny.py as Gemma 3, whose full layers call the kernels as Llama's do
+# (no window) and whose sliding layers add the windowed kernels; cuDNN compiles tiny.py's Llama.
+KERNEL_TARGETS = {
+    "h100x8": ("pallas", "__gpu$xla.gpu.triton", GEMMA3),  # our Pallas kernels, lowered to Triton
+    "v5p-8": ("pallas", "tpu_custom_call", GEMMA3),  # our Pallas kernels, lowered to Mosaic
+    "h100x1": ("cudnn", "__cudnn$fmha", {}),  # XLA's cuDNN fused attention
+}
+
+
+def _tiny(target, impl, changes=None):
+  """configs/tiny.py for `target` with attention.impl=`impl` and `changes` ({"group.key": value},
+  dotted for nested groups): 8 sequences of 256 tokens over an fsdp mesh of all the target's
+  devices."""
   config = load_config_file(os.path.join(REPO, "configs", "tiny.py"))
   config.target = target.name
   config.attention.impl = impl
   config.train.global_batch_size = 8
   config.train.seq_len = 256
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, -1, 1
+  for key, value in (changes or {}).items():
+    *groups, name = key.split(".")
+    group = config
+    for g in groups:
+      group = group[g]
+    group[name] = value
   return config
 
 
@@ -147,19 +173,39 @@ def _needs_compiler(target):
     pytest.skip(f"no deviceless compiler for {target.name}: {missing}")
 
 
-@pytest.mark.parametrize("name,impl,kernel", [
-    ("h100x8", "pallas", "__gpu$xla.gpu.triton"),  # our Pallas kernels, lowered to Triton
-    ("v5p-8", "pallas", "tpu_custom_call"),  # our Pallas kernels, lowered to Mosaic
-    ("h100x1", "cudnn", "__cudnn$fmha"),  # XLA's cuDNN fused attention
-])
-def test_cli_dry_run_compiles_the_attention_kernel_for_the_target(name, impl, kernel):
+@pytest.fixture(scope="module")
+def kernel_dry_run():
+  """`--dry_run --dry_run_target=NAME` of tiny.py as KERNEL_TARGETS has it (in this process,
+  run_dry_run), with more flags if given: one deviceless compile per module for each, which the
+  kernel test and the offload test read (a deviceless compile is not served by the persistent
+  compilation cache; a second compile of the same step finds its kernels in XLA's kernel cache)."""
+  runs = {}
+
+  def dry_run(name, *flags):
+    if (name, flags) not in runs:
+      target = targets.parse(name)
+      _needs_compiler(target)
+      impl, _, changes = KERNEL_TARGETS[name]
+      runs[name, flags] = run_dry_run(
+          "--config=configs/tiny.py", f"--dry_run_target={name}",
+          f"--config.attention.impl={impl}", "--config.train.global_batch_size=8",
+          *(f"--config.{key}={value}" for key, value in changes.items()), *flags)
+    return runs[name, flags]
+  return dry_run
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.slow) if changes else name  # both layer types' kernels
+    for name, (_, _, changes) in KERNEL_TARGETS.items()])
+def test_cli_dry_run_compiles_the_attention_kernel_for_the_target(kernel_dry_run, name):
   """`--dry_run --dry_run_target=NAME` (in this process) compiles once, through
   measure.compile_step; the spies of run_dry_run keep the compiled program and the
-  Measurement, so one compile gives the report, the program text and the figures."""
+  Measurement, so one compile gives the report, the program text and the figures. On the Pallas
+  targets, Gemma 3's scanned stack of both layer types: one conditional picks the windowed or the
+  full kernel per layer, and both branches hold the kernels, forward and backward."""
   target = targets.parse(name)
-  _needs_compiler(target)
-  run = run_dry_run("--config=configs/tiny.py", f"--dry_run_target={name}",
-                    f"--config.attention.impl={impl}", "--config.train.global_batch_size=8")
+  impl, kernel, changes = KERNEL_TARGETS[name]
+  run = kernel_dry_run(name)
   proc = run.cli
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert len(run.compiles) == 1 and len(run.measurements) == 1
@@ -167,7 +213,7 @@ def test_cli_dry_run_compiles_the_attention_kernel_for_the_target(name, impl, ke
   m = run.measurements[0]
   # The program of configs/tiny.py as _tiny sets it up for the target (the target itself comes
   # from --dry_run_target, not the config).
-  assert config.to_dict() == {**_tiny(target, impl).to_dict(), "target": "cpu"}
+  assert config.to_dict() == {**_tiny(target, impl, changes).to_dict(), "target": "cpu"}
 
   # The command's report: the target's compiler, no XLA:CPU model of it.
   lines = proc.stdout.strip().splitlines()
@@ -180,10 +226,15 @@ def test_cli_dry_run_compiles_the_attention_kernel_for_the_target(name, impl, ke
   assert f"{kernels_note}, compiled for {target.compiler.upper()}" in proc.stdout
   assert "note:" not in proc.stdout and "emulated" not in proc.stdout
 
-  called = re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())
+  hlo = compiled.as_text()
+  called = re.findall(r'custom_call_target="([^"]+)"', hlo)
   kernels = [c for c in called if c.startswith(kernel)]
-  # The forward kernel and the backward pass's (its own kernel or kernels).
-  assert len(kernels) >= 2, sorted(set(called))
+  # The forward kernel and the backward pass's (its own kernel or kernels); with both layer
+  # types, each branch of the layer's conditional holds its own, forward and backward.
+  assert len(kernels) >= (4 if changes else 2), sorted(set(called))
+  if changes:
+    assert setup.model_cfg.arch.sliding_layers() == (True, False, True, False)
+    assert len(re.findall(r"\bconditional\(", hlo)) >= 2  # forward and backward
   other = {"__gpu$xla.gpu.triton", "tpu_custom_call", "__cudnn$fmha"} - {kernel}
   assert not [c for c in called if c.startswith(tuple(other))], sorted(set(called))
   assert setup.model_cfg.runtime.attention_impl == impl
@@ -202,8 +253,24 @@ def test_cli_dry_run_compiles_the_attention_kernel_for_the_target(name, impl, ke
   assert m.params > 0
   # Matmul FLOPs of the compiled step, near the analytic 6N-per-token figure (the attention
   # kernel's own matmuls are not HLO dots; remat is off in the tiny config).
-  analytic = measure.analytic_flops_per_step(_tiny(target, impl))
+  analytic = measure.analytic_flops_per_step(_tiny(target, impl, changes))
   assert 0.5 < m.flops * m.num_devices / analytic < 1.2
+
+
+def test_offloaded_optimizer_state_on_a_deviceless_gpu_target_is_counted_in_host_memory(
+    kernel_dry_run):
+  """A deviceless GPU compile has no host memory space: the moments compile on the device, and
+  the figures move their exact bytes to host memory, saying so, as the suggestion does. (The
+  plain step is the cuDNN kernel test's.)"""
+  plain_run = kernel_dry_run("h100x1")
+  offload_run = kernel_dry_run("h100x1", "--config.optim.offload_state=True")
+  assert plain_run.cli.returncode == offload_run.cli.returncode == 0, offload_run.cli.stderr
+  (plain,), (offload,) = plain_run.measurements, offload_run.measurements
+  assert not plain.offload_note and plain.opt_host == 0 and plain.opt_device > 0
+  assert offload.opt_device == 0 and offload.opt_host == plain.opt_device
+  assert offload.total == plain.total - plain.opt_device
+  assert "cannot be compiled for GPU without a device" in offload.offload_note
+  assert offload.offload_note in offload_run.cli.stdout
 
 
 # One unknown target through the real process (the exit path of `python -m jaxtrain.main`), the
