@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxtrain import config as config_lib
+from jaxtrain import compat, config as config_lib
 from jaxtrain.config import ConfigError
 from jaxtrain.dryrun import command, suggestions
 from jaxtrain.hardware import GIB, verdict
@@ -233,7 +233,7 @@ def test_offload_remat_policies_give_the_same_grads():
     # XLA:CPU's own fusion emitters, as a user's run has them (the suite turns them off to
     # compile faster): with them the policies' gradients agree to this tolerance; the classic
     # emitters fuse each policy's recomputation differently and round a few elements apart.
-    compiled = grad.lower(params).compile({"xla_cpu_use_fusion_emitters": True})
+    compiled = grad.lower(params).compile(compat.cpu_emitter_options(fusion_emitters=True))
     results[policy] = jax.tree.map(np.asarray, compiled(params))
   for result in results.values():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), result,

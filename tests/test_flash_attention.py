@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
+from jaxtrain import compat
 from jaxtrain.ops.attention import xla_attention
 from kernels_pallas import flash_attention, reference_attention
 from kernels_pallas import flash_attention_kernels as fk
@@ -355,7 +356,8 @@ def _lowered_flash(causal, segments, *, t=150, h=4, k=2, e=128, block_q=64, bloc
     out, vjp = jax.vjp(lambda q, k, v: fa_module._flash(q, k, v, seg, seg, cfg), q, k, v)
     return out, vjp(do)
 
-  return jax.jit(run).trace(q, kv, kv, seg, q).lower(lowering_platforms=("cuda",))
+  with compat.gpu_lowering_context():  # the GPU the Triton lowering reads (jax 0.12)
+    return jax.jit(run).trace(q, kv, kv, seg, q).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("causal,segments,window", [(True, True, None), (False, False, None),

@@ -22,7 +22,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lowest first. A module of one layer imports modules of its own layer or of lower ones only.
 LAYERS = (
     # Ground floor: config defaults and flags, the chip table, the process, paths and URLs.
-    ("config", "cli_flags", "hardware", "platforms", "distributed", "host_memory", "storage"),
+    ("compat", "config", "cli_flags", "hardware", "platforms", "distributed", "host_memory",
+     "storage"),
     ("ops", "parallel"),  # numerics, and the mesh with what the rules cannot say
     ("models", "peft"),  # the layers hold adapters; peft/state.py reads the model
     ("data",),
