@@ -13,14 +13,13 @@
 import json
 import os
 import signal
-import subprocess
 import time
 
 import numpy as np
 import pytest
 
 from tests import slurm_cluster
-from tests.helpers import REPO, SMALL_TINY_ARGS as SMALL, main_command, main_env
+from tests.helpers import REPO, SMALL_TINY_ARGS as SMALL, main_command, main_env, run_cli
 
 pytestmark = pytest.mark.slow(seconds=60)
 
@@ -112,13 +111,12 @@ def _assert_bitwise(workdir, want, may_be_unlogged=()):
 def test_sbatch_trains_like_one_process_stops_on_term_and_resumes_bitwise(cluster, tmp_path):
   """One job's life, in the order a user meets it (one test: every stage is a job on the one
   cluster, and the later ones compare against the first)."""
-  # 1. The uninterrupted 2-task job, and a 1-process x 8-device run beside it.
-  one = subprocess.Popen(main_command(*ARGS, f"--workdir={tmp_path / 'one_process'}"),
-                         cwd=REPO, env=main_env(8), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-  log = _finish(cluster, _submit(cluster, tmp_path / "two_tasks"), tmp_path / "two_tasks")
-  out, _ = one.communicate(timeout=JOB_TIMEOUT_S)
-  assert one.returncode == 0, out[-3000:]
+  # 1. The uninterrupted 2-task job, and a 1-process x 8-device run beside it (in this process,
+  #    run_cli: the same CLI without a new interpreter's imports and compiles).
+  job = _submit(cluster, tmp_path / "two_tasks")
+  one = run_cli(*ARGS, f"--workdir={tmp_path / 'one_process'}", devices=8)
+  assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+  log = _finish(cluster, job, tmp_path / "two_tasks")
   assert "1 node(s) x 2 task(s) x 4 CPU devices" in log
   assert "8 × cpu (2 process(es))" in log  # one mesh over both tasks, from SLURM's variables
   (loss1, eval1), uninterrupted = _losses(tmp_path / "one_process"), _losses(tmp_path / "two_tasks")
