@@ -27,7 +27,7 @@ import jax
 from flax import nnx
 
 from jaxtrain.parallel import pipeline as pipeline_lib
-from jaxtrain.parallel.mesh import gathered_spec
+from jaxtrain.parallel.mesh import gathered_spec, logical_to_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,15 +103,24 @@ def _pipelined(layers, x_BTD, positions_BT, segment_ids_BT, layer_inputs,
   def to_microbatches(x):  # [B, ...] -> [M, B/M, ...], microbatch i = rows i, i+M, ...
     return x.reshape(b // m, m, *x.shape[1:]).swapaxes(0, 1)
 
-  if options.pipeline_gather_weights_once:
-    # Whole along fsdp/context here, outside the pipeline's loop: one gather per step (and
-    # one reduce-scatter of the gradients) instead of one per microbatch and pass.
-    state = jax.tree.map(
-        lambda v: v.replace(jax.lax.with_sharding_constraint(
-            v[...], gathered_spec(v.get_metadata()["out_sharding"]))),
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  stacked = {"state": state, "inputs": dict(layer_inputs)}
-  stage_layers = pipeline_lib.to_stages(stacked, stages, options.pipeline_repeats)
+  def stage_weight(v):
+    # Each weight to the circular order with its own sharding (to_stages: the gradient's way
+    # back an all-to-all, not a gather over `stage`).
+    names = v.get_metadata().get("out_sharding")
+    if names is None:
+      return v.replace(pipeline_lib.to_stages(v[...], stages, options.pipeline_repeats))
+    if options.pipeline_gather_weights_once:
+      # Whole along fsdp/context here, outside the pipeline's loop: one gather per step (and
+      # one reduce-scatter of the gradients) instead of one per microbatch and pass.
+      spec = gathered_spec(names)
+      value = jax.lax.with_sharding_constraint(v[...], spec)
+    else:
+      spec, value = logical_to_spec(names), v[...]
+    return v.replace(pipeline_lib.to_stages(value, stages, options.pipeline_repeats, spec))
+  staged = jax.tree.map(stage_weight, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  stage_layers = {"state": staged,
+                  "inputs": pipeline_lib.to_stages(dict(layer_inputs), stages,
+                                                   options.pipeline_repeats)}
   carried = {"positions": to_microbatches(positions_BT),
              "segment_ids": (None if segment_ids_BT is None
                              else to_microbatches(segment_ids_BT))}

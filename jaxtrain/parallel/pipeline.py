@@ -76,13 +76,45 @@ def check_schedule(num_layers: int, stages: int, microbatches: int, repeats: int
     raise ValueError(f"{microbatches} microbatches are not a multiple of the {stages} stages")
 
 
-def to_stages(layers: Any, stages: int, repeats: int = 1) -> Any:
+def to_stages(layers: Any, stages: int, repeats: int = 1, spec=None) -> Any:
   """Stacked layer params [L, ...] (the model's order) -> [S, R, L/(R·S), ...]: entry [s, r] is
-  layer group r·S + s, the layers stage s runs in pass r."""
-  def split(x):
-    per = x.shape[0] // (stages * repeats)
-    return x.reshape(repeats, stages, per, *x.shape[1:]).swapaxes(0, 1)
-  return jax.tree.map(split, layers)
+  layer group r·S + s, the layers stage s runs in pass r.
+
+  `spec`: the PartitionSpec of every leaf's [L, ...] (its lead the `stage` axis), or None. With
+  it, the gradient's way back to [L, ...] is constrained step by step (see `_split_bwd`)."""
+  if spec is None:
+    return jax.tree.map(lambda x: _split(x, stages, repeats), layers)
+  return jax.tree.map(lambda x: _split_constrained(x, stages, repeats, spec), layers)
+
+
+def _split(x, stages: int, repeats: int):
+  per = x.shape[0] // (stages * repeats)
+  return x.reshape(repeats, stages, per, *x.shape[1:]).swapaxes(0, 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _split_constrained(x, stages, repeats, spec):
+  return _split(x, stages, repeats)
+
+
+def _split_fwd(x, stages, repeats, spec):
+  return _split(x, stages, repeats), None
+
+
+def _split_bwd(stages, repeats, spec, _, ct_SR):
+  """[S, R, ...] -> [L, ...] with the stage axis moved from S to R (each stage's share of the
+  layers in the model's order) by one explicit reshard of [R, S, ...]: an all-to-all per leaf.
+  Left to autodiff's transpose, the move is at the reshape, where XLA may instead gather the
+  whole leaf over `stage` ("involuntary full rematerialization", jax 0.12)."""
+  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+  lead, rest = spec[:1], tuple(spec[1:])
+  ct_RS = jax.lax.with_sharding_constraint(ct_SR, P(*lead, None, None, *rest)).swapaxes(0, 1)
+  ct_RS = jax.lax.with_sharding_constraint(ct_RS, P(None, *lead, None, *rest))
+  ct_RS = jax.lax.with_sharding_constraint(ct_RS, P(*lead, None, None, *rest))
+  return (ct_RS.reshape(-1, *ct_RS.shape[3:]),)
+
+
+_split_constrained.defvjp(_split_fwd, _split_bwd)
 
 
 def from_stages(stage_layers: Any) -> Any:
@@ -101,6 +133,15 @@ def _constrain(x, lead: str | None, names: Sequence[str | None] | None):
   rest = (logical_to_spec(names) if names is not None
           else [jax.sharding.PartitionSpec.UNCONSTRAINED] * (x.ndim - 1))
   return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(lead, *rest))
+
+
+def _constrain_one(x, names: Sequence[str | None] | None):
+  """One microbatch by its logical `names` (None: left to propagation); a no-op without stages.
+  Between the queue and the stage dim: unconstrained, the stage axis may spread from a stage's
+  slice into the queue's microbatch dim, which then is gathered every iteration."""
+  if stage_count() == 1 or names is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(names))
 
 
 @jax.custom_vjp
@@ -181,7 +222,8 @@ def pipeline(stage_fn: Callable, stage_layers: Any, x_M: jax.Array, carried_M: A
     r_S = jnp.clip(k_S // microbatches, 0, repeats - 1)
     # Stage 0 takes the head of the queue (microbatch i mod M: the input, or its previous pass's
     # output); every other stage takes what the stage before it produced last iteration.
-    inputs_S = _constrain(jnp.roll(outputs_S, 1, axis=0).at[0].set(queue_M[0]), AXIS, names)
+    head = _constrain_one(queue_M[0], names)
+    inputs_S = _constrain(jnp.roll(outputs_S, 1, axis=0).at[0].set(head), AXIS, names)
     carried_S = jax.tree.map(lambda c: c[m_S], carried_M)
     new_S = _constrain(run_stages(stage_layers, r_S, active_S, inputs_S, carried_S), AXIS, names)
     # The queue turns by one. The last stage has just finished microbatch (i-S+1) mod M, whose
@@ -190,7 +232,7 @@ def pipeline(stage_fn: Callable, stage_layers: Any, x_M: jax.Array, carried_M: A
     # (`write` False) that slot still holds an input.
     queue_M = jnp.roll(queue_M, -1, axis=0)
     if write:
-      queue_M = queue_M.at[microbatches - stages].set(new_S[last])
+      queue_M = queue_M.at[microbatches - stages].set(_constrain_one(new_S[last], names))
     return (_constrain(queue_M, None, names), new_S), None
 
   # Microbatch m starts at slot m, so it is the head at iteration m.
