@@ -89,8 +89,12 @@ def test_the_report_lists_the_largest_temporaries_at_the_memory_peak(fsdp2):
   rows = lines[start + 1:start + 1 + min(command.PEAK_ROWS, len(peak.temporaries()))]
   largest = peak.temporaries()[0]
   assert largest.shape in rows[0] and largest.opcode in rows[0], rows
-  # The layers' saved inputs (remat 'full': one [B, T, D] per layer) are among them.
-  assert any("forward" in row for row in rows), rows
+  # The layers' saved inputs are live at the peak: remat 'full' keeps one [B, T, D] per layer,
+  # stacked by the scan over layers, in the bfloat16 compute dtype, each device its B / fsdp rows.
+  c = _dry_config(2)
+  saved = (f"bf16[{c.model.num_layers},{c.train.global_batch_size // c.mesh.fsdp},"
+           f"{c.train.seq_len},{c.model.d_model}]")
+  assert any(t.shape == saved for t in peak.temporaries()), [t.shape for t in peak.temporaries()]
 
 
 def test_param_bytes_halve_when_fsdp_doubles(fsdp2):
