@@ -1,4 +1,5 @@
-"""Shared by the Mixture-of-Experts tests (test_moe*.py, test_deepseek.py)."""
+"""Shared by the Mixture-of-Experts tests (test_moe*.py, test_deepseek.py); with_changes also by
+test_targets.py."""
 
 from jaxtrain.config import load_config_file
 
@@ -16,8 +17,11 @@ def on_short_rows(path: str, **mesh):
 
 
 def with_changes(config, changes: dict):
-  """`config` with {"group.key": value} set."""
+  """`config` with {"group.key": value} set (dotted for nested groups: "model.rope_scaling.type")."""
   for key, value in changes.items():
-    group, name = key.split(".")
-    setattr(config[group], name, value)
+    *groups, name = key.split(".")
+    group = config
+    for g in groups:
+      group = group[g]
+    setattr(group, name, value)
   return config

@@ -23,6 +23,7 @@ from jaxtrain.parallel.mesh import platform_of_backend
 from jaxtrain.train import measure
 from tests.dry_run_helpers import DRY_RUN_LAST_LINE, run_dry_run
 from tests.helpers import REPO, run_cli, run_main
+from tests.moe_helpers import with_changes
 
 
 @pytest.mark.parametrize("name,compiler,num_devices,chip", [
@@ -158,13 +159,7 @@ def _tiny(target, impl, changes=None):
   config.train.global_batch_size = 8
   config.train.seq_len = 256
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, -1, 1
-  for key, value in (changes or {}).items():
-    *groups, name = key.split(".")
-    group = config
-    for g in groups:
-      group = group[g]
-    group[name] = value
-  return config
+  return with_changes(config, changes or {})
 
 
 def _needs_compiler(target):
