@@ -11,6 +11,10 @@ pyproject.toml). Code that must behave differently on the two asks this module, 
   "No supported GPU devices found" on a host without a GPU unless an abstract mesh names one;
   jax 0.10 lowered without asking (`gpu_lowering_context`). A deviceless compile for a GPU
   target (jaxtrain/hardware.py) has the compiler's own devices and needs nothing here.
+- XLA:GPU's cuDNN block-scaled GEMM (MXFP8, `jax.nn.scaled_matmul`): jax 0.10's compiler
+  builds it in a deviceless compile; jax 0.12's asks cuDNN's runtime engine for a plan, which
+  needs the GPU driver, so on a host without a GPU it computes the product as dequantized bf16
+  dots instead (`deviceless_block_scaled_gemm`; the dry run's matmul row says which it got).
 
 The version is read from the installed package's metadata, not by importing JAX: XLA_FLAGS
 must be final before JAX starts a backend, and callers set them from what this module says.
@@ -61,3 +65,11 @@ def gpu_lowering_context(device_kind: str = "NVIDIA H100 80GB HBM3", num_cores: 
                                        platform="gpu")
   return jax.sharding.use_abstract_mesh(
       jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device))
+
+
+def deviceless_block_scaled_gemm() -> bool:
+  """Whether XLA:GPU emits cuDNN's block-scaled GEMM for an MXFP8 product when it compiles for
+  a GPU target on a host without one: jax 0.10 does; jax 0.12's plan search needs libcuda
+  (`--xla_gpu_cudnn_deviceless_compilation_mode` cannot lift that), and falls back to
+  dequantizing the e4m3 operands and their e8m0 scales into a bf16 dot."""
+  return jax_version() < (0, 12, 0)

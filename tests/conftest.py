@@ -7,7 +7,11 @@ import shutil
 
 import pytest
 
-from jaxtrain import compat  # reads the installed jax's version without importing jax
+# Before anything imports jax: jax reads JAX_PLATFORMS when it is imported. With the GPU plugin
+# installed (the [aot] extra) and no GPU, a backend search that tries CUDA fails inside the
+# plugin, and the deviceless GPU compiles' topology then cannot be made.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from jaxtrain import compat  # noqa: E402  (imports jax; reads its version from the metadata)
 
 # Compile time dominates the suite on CPU. XLA's backend optimizations roughly halve it when off
 # (tests/test_grpo_training.py: 130 s -> 49 s on 2 cores) and change results only by float
@@ -19,7 +23,6 @@ from jaxtrain import compat  # reads the installed jax's version without importi
 FAST_XLA_FLAG = f"--xla_backend_optimization_level=0 {compat.cpu_classic_emitter_flag()}".strip()
 
 # Must run before any JAX backend exists; conftest is imported before the test modules.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_XLA_FLAG}".strip()
 import jax  # noqa: E402
 

@@ -105,9 +105,12 @@ def test_mxfp8_outside_blackwell_is_refused_in_one_line():
 @pytest.mark.slow(seconds=20)
 def test_llama8b_mxfp8_step_for_b200x8_multiplies_every_projection_block_scaled(tmp_path):
   """configs/llama8b.py with precision.matmul=mxfp8, compiled by XLA's GPU compiler for 8 B200s
-  (fsdp=8): it fits, and the scanned layer's 7 projections are cuDNN block-scaled GEMMs three
+  (fsdp=8): it fits, and the scanned layer's 7 projections are block-scaled products three
   times each (the forward and the two gradients), none of them recomputed (their outputs are
-  saved by name); only the head's 3 matmuls remain plain dots."""
+  saved by name); only the head's 3 matmuls remain plain dots. The products are cuDNN
+  block-scaled GEMMs where this jax's compiler builds them without a GPU (jax 0.10), and
+  dequantized bf16 dots otherwise (jax 0.12: jaxtrain/compat.py), which the row then says."""
+  from jaxtrain import compat  # pylint: disable=import-outside-toplevel
   from jaxtrain.dryrun import hlo_dots
   from jaxtrain import hardware as targets  # pylint: disable=import-outside-toplevel
   from tests.helpers import run_cli  # pylint: disable=import-outside-toplevel
@@ -121,6 +124,16 @@ def test_llama8b_mxfp8_step_for_b200x8_multiplies_every_projection_block_scaled(
   last = proc.stdout.strip().splitlines()[-1]
   assert "target=b200x8 compiler=gpu devices=8" in last and "fits=yes" in last, last
   hlo = path.read_text()
-  assert hlo_dots.block_scaled_dots(hlo) == 21
-  assert sum(hlo_dots.dot_operand_types(hlo).values()) == 3
-  assert "matmuls       mxfp8: 21 block-scaled matmuls" in proc.stdout
+  assert hlo_dots.block_scaled_matmuls(hlo) == 21
+  row = "matmuls       mxfp8: 21 block-scaled matmuls (e4m3 with an e8m0 scale per 32), 3 other dots"
+  assert row in proc.stdout
+  if compat.deviceless_block_scaled_gemm():
+    assert hlo_dots.block_scaled_dots(hlo) == 21
+    assert sum(hlo_dots.dot_operand_types(hlo).values()) == 3
+    assert "dequantized" not in proc.stdout
+  else:
+    assert hlo_dots.block_scaled_dots(hlo) == 0
+    assert sum(hlo_dots.dot_operand_types(hlo).values()) == 21 + 3
+    assert ("21 of the block-scaled ones compiled as dequantized bf16 dots, 0 as block-scaled "
+            "GEMMs (this jax's XLA:GPU plans cuDNN's block-scaled GEMM only with a GPU driver"
+            in proc.stdout)

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 
+from jaxtrain import compat
 from jaxtrain import hardware as targets
 from jaxtrain import objectives
 from jaxtrain.config import ConfigError
@@ -185,9 +186,19 @@ def _matmul_row(precision: str, hlo: str) -> str:
   """What the compiled step multiplies in low precision (the optimized HLO's dots by type)."""
   counts = hlo_dots.dot_operand_types(hlo)
   if precision == "mxfp8":
-    return (f"mxfp8: {hlo_dots.block_scaled_dots(hlo)} block-scaled matmuls (e4m3 with an e8m0 "
-            f"scale per 32), {sum(counts.values())} other dots in the compiled step (a loop "
-            f"body once)")
+    kernels = hlo_dots.block_scaled_dots(hlo)
+    dequantized = max(0, hlo_dots.block_scaled_matmuls(hlo) - kernels)
+    row = (f"mxfp8: {kernels + dequantized} block-scaled matmuls (e4m3 with an e8m0 scale per "
+           f"32), {sum(counts.values()) - dequantized} other dots in the compiled step (a loop "
+           f"body once)")
+    if dequantized:
+      why = ("this compiler has no block-scaled GEMM for the target"
+             if compat.deviceless_block_scaled_gemm() else
+             "this jax's XLA:GPU plans cuDNN's block-scaled GEMM only with a GPU driver, so a "
+             "deviceless compile cannot show the kernel")
+      row += (f"; {dequantized} of the block-scaled ones compiled as dequantized bf16 dots, "
+              f"{kernels} as block-scaled GEMMs ({why})")
+    return row
   return f"{precision}: {hlo_dots.describe(counts)} dots in the compiled step (a loop body once)"
 
 

@@ -45,6 +45,23 @@ def block_scaled_dots(hlo: str) -> int:
           + len(re.findall(r'custom_call_target="__cudnn\$blockScaledDot"', hlo)))
 
 
+_HEADER = re.compile(r"^%[\w.\-]+\s*\((.*)\)\s*->")
+
+
+def block_scaled_matmuls(hlo: str) -> int:
+  """The step's block-scaled (MXFP8) products however the compiler computes them: each is a
+  computation of two e4m3 operands and their two e8m0 scales (the wrapper XLA keeps around
+  `jax.nn.scaled_matmul`), whether its body calls cuDNN's block-scaled GEMM or dequantizes to
+  a plain dot."""
+  count = 0
+  for line in hlo.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      params = header.group(1)
+      count += params.count(": f8e4m3fn[") == 2 and params.count(": f8e8m0fnu[") == 2
+  return count
+
+
 def fp8_dots(counts: collections.Counter) -> tuple[int, int]:
   """(dots with both operands e4m3: the forward's, dots with an e5m2 operand: the backward's)."""
   forward = sum(n for (a, b), n in counts.items() if a == b == "f8e4m3fn")
