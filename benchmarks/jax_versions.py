@@ -76,8 +76,8 @@ def main() -> None:
     sys.exit("--pythons takes exactly two interpreters, e.g. .venv/bin/python,.venv312/bin/python")
   names = [versions(p) for p in pythons]
   print(f"A = {names[0]} ({pythons[0]})\nB = {names[1]} ({pythons[1]})\n")
-  print(f"| config | target | compiler A / B | total GiB A | total GiB B | fits A / B "
-        f"| dry run s A | dry run s B |\n|---|---|---|---|---|---|---|---|")
+  print("| config | target | compiler A / B | total GiB A | total GiB B | fits A / B "
+        "| dry run s A | dry run s B |\n|---|---|---|---|---|---|---|---|")
   gib_ratios, second_ratios = [], []
   for name, config, target in CASES:
     a, b = (dry_run(p, config, target) for p in pythons)
