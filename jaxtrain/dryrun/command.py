@@ -192,12 +192,11 @@ def _matmul_row(precision: str, hlo: str) -> str:
            f"32), {sum(counts.values()) - dequantized} other dots in the compiled step (a loop "
            f"body once)")
     if dequantized:
-      why = ("this compiler has no block-scaled GEMM for the target"
-             if compat.deviceless_block_scaled_gemm() else
-             "this jax's XLA:GPU plans cuDNN's block-scaled GEMM only with a GPU driver, so a "
-             "deviceless compile cannot show the kernel")
       row += (f"; {dequantized} of the block-scaled ones compiled as dequantized bf16 dots, "
-              f"{kernels} as block-scaled GEMMs ({why})")
+              f"{kernels} as block-scaled GEMMs")
+      if not compat.deviceless_block_scaled_gemm():
+        row += (" (this jax's XLA:GPU plans cuDNN's block-scaled GEMM only with a GPU driver, so "
+                "a deviceless compile cannot show the kernel)")
     return row
   return f"{precision}: {hlo_dots.describe(counts)} dots in the compiled step (a loop body once)"
 
