@@ -25,6 +25,7 @@ ROPE_SCALING_TYPES = ("none", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 # Adam moments: float16 is refused, its range underflows the second moment of small grads.
 STATE_DTYPES = ("float32", "bfloat16")
+OPTIMIZERS = ("adamw", "muon")  # optim.name
 OBJECTIVES = ("lm", "dpo", "grpo", "reward", "ppo")
 # grpo.on_reward_error: stop the run, or skip the batch of rollouts (drawing the next prompts).
 REWARD_ERROR_POLICIES = ("stop", "skip")
@@ -334,6 +335,14 @@ def default_config() -> ml_collections.ConfigDict:
   c.lora.quant_group_size = 64  # input-dim elements sharing one scale (int4/nf4/int8)
 
   c.optim = ml_collections.ConfigDict()
+  c.optim.name = "adamw"  # or "muon": Muon for the projection matrices (jaxtrain/train/muon.py)
+  c.optim.muon = ml_collections.ConfigDict()
+  c.optim.muon.ns_steps = 5  # quintic Newton-Schulz iterations
+  c.optim.muon.momentum = 0.95
+  c.optim.muon.nesterov = True
+  # The update's scale: "match_rms_adamw" 0.2*sqrt(max(in, out)) (Moonlight: AdamW's learning
+  # rate and weight decay carry over), or "original" sqrt(max(1, out/in)).
+  c.optim.muon.adjust_lr = "match_rms_adamw"
   c.optim.learning_rate = 3e-4
   c.optim.warmup_steps = 100
   c.optim.decay_steps = config_dict.placeholder(int)  # None: train.steps

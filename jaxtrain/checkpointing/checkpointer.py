@@ -33,7 +33,7 @@ from jaxtrain.checkpointing.verdicts import (CheckpointCorrupted, CheckpointRest
                                           PeerFailed, Verdict, agree, classify, describe)
 from jaxtrain.config import ConfigError
 # DataShardsSave too: tests and tools import the data item's handler and arguments from here.
-from jaxtrain.checkpointing.weights import shape_mismatches
+from jaxtrain.checkpointing.weights import optimizer_name, shape_mismatches
 from jaxtrain.checkpointing.iterator_state import (DataShardsHandler, DataShardsRestore,  # noqa: F401
                                       DataShardsSave)
 from jaxtrain.data.global_stream import GlobalBatchStream
@@ -125,6 +125,13 @@ class Checkpointer:
     saved = self._reader.item_metadata(step)["state"]
     if saved is None:
       raise CheckpointCorrupted(f"the state's metadata (_METADATA) is missing from {step_dir}")
+    saved_optimizer, this_optimizer = optimizer_name(saved), optimizer_name(abstract_state)
+    if saved_optimizer != this_optimizer:
+      raise ConfigError(f"checkpoint {self.directory}/{step} holds the optimizer state of "
+                        f"optim.name={saved_optimizer!r}, this run has optim.name="
+                        f"{this_optimizer!r}: resume with {saved_optimizer!r}, or start the "
+                        f"new optimizer from the weights alone (checkpoint.init_from) in another "
+                        f"--workdir")
     mismatches = shape_mismatches(saved, abstract_state)
     if mismatches:
       shown = [m for m in mismatches if m.startswith("params/")] or mismatches

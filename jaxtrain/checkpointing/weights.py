@@ -212,6 +212,13 @@ def _path_name(path) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
+def optimizer_name(state_tree: Any) -> str:
+  """"muon" where the train state's optimizer state has Muon's momentum (train/muon.py's
+  ScaleByMuonState), else "adamw": the two optimizers' states are different trees."""
+  paths = (_path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(state_tree))
+  return "muon" if any(p.startswith("opt_state/") and "/momentum/" in p for p in paths) else "adamw"
+
+
 def shape_mismatches(saved_tree: Any, abstract_state: Any) -> list[str]:
   """'path: checkpoint (shape) vs model (shape)' for every leaf that differs or is missing."""
   def shapes(tree):

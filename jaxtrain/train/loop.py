@@ -25,7 +25,7 @@ from jaxtrain.checkpointing.run_directory import RunDirectory
 from jaxtrain.checkpointing.weights import load_params
 from jaxtrain.data import shards as data_shards
 from jaxtrain.data.sources import DataError
-from jaxtrain.models import moe, mtp
+from jaxtrain.models import moe, mtp, sharding
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.objectives import Objective
 from jaxtrain.objectives.feeders import evaluate, to_global_batch  # re-exported for the loop's callers
@@ -34,11 +34,22 @@ from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.mesh import DCN_AXES, MeshShape, make_mesh
 from jaxtrain.peft import state as peft_state
 from jaxtrain.train import metrics as metrics_lib
+from jaxtrain.train import muon
 from jaxtrain.train import preflight
 from jaxtrain.train import wandb as wandb_logger
 from jaxtrain.train.health import LossSpikeDetector, check_bad_streak
 from jaxtrain.train.setup import Setup, build
 from jaxtrain.train.step import MAX_METRICS, TrainState
+
+
+def _optimizer_row(config, model_cfg: ModelConfig, mesh: Mesh) -> str:
+  o = config.optim
+  if o.name != "muon":
+    return f"AdamW (b1 {o.b1:g}, b2 {o.b2:g}, weight decay {o.weight_decay:g})"
+  _, abstract_params, _ = sharding.abstract_model(model_cfg, mesh)
+  return (f"Muon ({o.muon.ns_steps} Newton-Schulz steps, momentum {o.muon.momentum:g}, "
+          f"{o.muon.adjust_lr}) for the projection matrices, AdamW for the rest: "
+          f"{muon.describe(abstract_params)}")
 
 
 def _start_rows(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConfig,
@@ -99,6 +110,7 @@ def _start_rows(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConfi
                           f"{objective.flops_note()})"),
       ("peak FLOP/s", f"{metrics_lib.format_count(peak) if peak else 'n/a'} total; "
                       f"{peak_source}"),
+      ("optimizer", _optimizer_row(config, model_cfg, mesh)),
       ("dtypes", f"params {model_cfg.runtime.param_dtype}, compute {model_cfg.runtime.dtype}"),
       ("layers", f"{'scan' if model_cfg.runtime.scan_layers else 'unrolled'}, remat "
                  f"{model_cfg.runtime.remat_policy}, attention {model_cfg.runtime.attention_impl}"),

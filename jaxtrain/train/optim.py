@@ -1,4 +1,5 @@
-"""The optimizer from config: AdamW, linear warmup + cosine decay, global-norm clipping.
+"""The optimizer from config: AdamW or Muon (train/muon.py), linear warmup + cosine decay,
+global-norm clipping.
 
 Weight decay skips the RMSNorm scales (decaying them toward 0 would shrink every activation);
 the mask is by parameter name, because with scanned layers a norm scale is 2-D ([L, D]) and a
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxtrain.models.moe import is_router_bias
+from jaxtrain.train import muon
 
 
 def learning_rate_schedule(config) -> optax.Schedule:
@@ -76,7 +78,8 @@ def scale_by_adam(b1: float, b2: float, eps: float,
       return step, mu32.astype(state_dtype), nu32.astype(state_dtype)
 
     out = jax.tree.map(moments, grads, state.mu, state.nu)
-    is_out = lambda x: isinstance(x, tuple)
+    # (an optax.MaskedNode, a leaf multi_transform gave the other optimizer, is a tuple too)
+    is_out = lambda x: isinstance(x, tuple) and not isinstance(x, optax.MaskedNode)
     pick = lambda i: jax.tree.map(lambda o: o[i], out, is_leaf=is_out)
     return pick(0), optax.ScaleByAdamState(count=count, mu=pick(1), nu=pick(2))
 
@@ -104,8 +107,17 @@ def make_optimizer(config) -> optax.GradientTransformation:
   parts = []
   if o.grad_clip_norm > 0:
     parts.append(optax.clip_by_global_norm(o.grad_clip_norm))
+  direction = scale_by_adam(o.b1, o.b2, o.eps, state_dtype=o.state_dtype)
+  if o.name == "muon":
+    # Muon for the projection matrices, AdamW's direction for the rest; decay and learning rate
+    # are shared (Muon's update is scaled to AdamW's RMS: muon.update_scale).
+    m = o.muon
+    direction = optax.multi_transform(
+        {"muon": muon.scale_by_muon(m.momentum, m.ns_steps, m.adjust_lr, m.nesterov,
+                                    state_dtype=o.state_dtype),
+         "adamw": direction}, muon.labels)
   parts.append(optax.chain(
-      scale_by_adam(o.b1, o.b2, o.eps, state_dtype=o.state_dtype),
+      direction,
       optax.add_decayed_weights(o.weight_decay, mask=weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate_schedule(config))))
   tx = optax.chain(*parts)
