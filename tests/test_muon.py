@@ -1,6 +1,8 @@
 """Muon (jaxtrain/train/muon.py): the update equals a float64 numpy reference of the algorithm,
 matrix by matrix whatever the stacking; which leaves get Muon; bad settings refused."""
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,9 @@ from jaxtrain.models.sharding import abstract_model
 from jaxtrain.train import muon
 from jaxtrain.train.optim import make_optimizer
 from jaxtrain.validation.checks import validate
-from tests.helpers import mesh_of, small_config
+from tests.helpers import (SMALL_TINY_ARGS, assert_curves_close, mesh_of, run_cli, run_tiny,
+                           small_config, train_curves)
+from tests.moe_helpers import on_short_rows
 
 LR, WD, MOMENTUM = 0.02, 0.1, 0.95
 
@@ -115,3 +119,45 @@ def test_bad_muon_settings_are_refused_in_one_line(key, value, message):
   with pytest.raises(ConfigError) as error:
     validate(config, num_devices=1, platform="cpu")
   assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.slow(seconds=40)
+@pytest.mark.parametrize("path,shape", [
+    ("configs/tiny.py", {"data": 2, "fsdp": 2, "tensor": 2}),
+    ("configs/moe_tiny.py", {"expert": 4, "fsdp": 2}),
+])
+def test_muon_on_eight_devices_equals_one_device_for_20_steps(path, shape):
+  """Muon's orthogonalization spreads each stack's matrices over the devices (muon._spread) and
+  brings the result back to the parameter's sharding: the same numbers as on one device."""
+  config = on_short_rows(path)
+  config.optim.name = "muon"
+  one = train_curves(config, {}, steps=20)
+  for axis, size in shape.items():
+    setattr(config.mesh, axis, size)
+  eight = train_curves(config, shape, steps=20)
+  assert_curves_close(eight, one, rtol=1e-5)
+  config.optim.name = "adamw"  # and Muon did train: its curve is not AdamW's
+  adamw = train_curves(config, shape, steps=3)
+  # (20x the parity tolerance: tiny.py is still warming up its learning rate at step 3)
+  assert abs(adamw["loss"][2] - one["loss"][2]) > 1e-4, (adamw["loss"], one["loss"][:3])
+
+
+@pytest.mark.slow(seconds=30)
+def test_muon_run_resumes_bitwise_and_its_state_is_not_read_as_adamw(tmp_path):
+  """A Muon run resumed from its step-8 checkpoint logs steps 9-12 exactly as the run that went
+  on; the checkpoint's state refuses an AdamW run in one line."""
+  args = ["--config.optim.name=muon", "--config.train.steps=12", "--config.train.log_every=1",
+          "--config.train.eval_every=6", "--config.optim.warmup_steps=2",
+          "--config.checkpoint.every_steps=4"]
+  _, whole = run_tiny(tmp_path / "whole", *args)
+  resumed_dir = tmp_path / "resumed"
+  shutil.copytree(tmp_path / "whole" / "checkpoints" / "8", resumed_dir / "checkpoints" / "8")
+  _, resumed = run_tiny(resumed_dir, *args)
+  train = lambda records: {r["step"]: (r["loss"], r["grad_norm"]) for r in records if "loss" in r}
+  assert sorted(train(resumed)) == [9, 10, 11, 12]
+  assert all(train(resumed)[s] == train(whole)[s] for s in range(9, 13))
+  proc = run_cli("--config=configs/tiny.py", f"--workdir={resumed_dir}", *SMALL_TINY_ARGS,
+                 *args[1:])
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert ("holds the optimizer state of optim.name='muon', this run has optim.name='adamw'"
+          in proc.stderr.strip().splitlines()[-1]), proc.stderr[-2000:]

@@ -134,6 +134,12 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, uninterrupted):
   proc = run_cli(*_args(tmp_path), "--config.model.mlp_dim=256")
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "does not match this model config" in proc.stderr
+  # Nor is another optimizer's state read into this one's (different trees; one line).
+  proc = run_cli(*_args(tmp_path), "--config.optim.name=muon")
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  line = proc.stderr.strip().splitlines()[-1]
+  assert ("holds the optimizer state of optim.name='adamw', this run has optim.name='muon'"
+          in line), proc.stderr[-2000:]
 
 
 def _wait_for_step(proc, workdir, step):

@@ -222,8 +222,12 @@ def opt_state_shardings(tx, abstract_params, param_shardings, mesh: Mesh):
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
   memory_kind = getattr(tx, "state_memory_kind", None)
   place = (lambda s: s) if memory_kind is None else (lambda s: s.with_memory_kind(memory_kind))
-  return optax.tree_map_params(tx, lambda _, s: place(s), abstract_opt, param_shardings,
-                               transform_non_params=lambda _: replicated(mesh))
+  # A param-shaped state of optax.multi_transform (optim.name=muon) holds a MaskedNode where the
+  # other optimizer has the param: it stays a MaskedNode (no array, no sharding).
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  return optax.tree_map_params(tx, lambda x, s: x if masked(x) else place(s), abstract_opt,
+                               param_shardings, transform_non_params=lambda _: replicated(mesh),
+                               is_leaf=masked)
 
 
 def state_shardings(tx, abstract_params, param_shardings, mesh: Mesh,
