@@ -23,9 +23,11 @@ model dim) is the output and the others the input (`wo_HED` -> [H*E, D]); otherw
 letter is the input and the others the output (`wq_DHE` -> [D, H*E]).
 
 Sharding: Newton-Schulz on a matrix split over the mesh would need that matrix's every product
-reduced across devices. Instead the stack of matrices is spread over the devices (each device
-orthogonalizes whole matrices, N / devices of them: `_spread`), then resharded back to the
-parameter's own layout, so no device holds more than its share of the stacked weight.
+reduced across devices. Instead each device trades its pieces of many matrices for whole
+matrices of its share of the stack (an all_to_all per mesh axis that splits a matrix dim),
+orthogonalizes those and trades them back (`orthogonalize`), so no device holds more than its
+share of the stacked weight. (XLA's partitioner, asked for the same move by a sharding
+constraint, replicated the stack first: 315 GiB per device for Kimi K2's experts.)
 """
 
 from __future__ import annotations
@@ -115,8 +117,11 @@ def describe(params) -> str:
   return "; ".join(part(k, *v) for k, v in totals.items())
 
 
-def newton_schulz(u_NAB: jax.Array, steps: int, eps: float = 1e-7) -> jax.Array:
-  """The polar factor's quintic Newton-Schulz approximation, per matrix, in float32.
+def newton_schulz(u_NAB: jax.Array, steps: int, matmul_dtype: Any = jnp.float32,
+                  eps: float = 1e-7) -> jax.Array:
+  """The polar factor's quintic Newton-Schulz approximation, per matrix, in float32 with the
+  products' operands in `matmul_dtype` (the model's compute dtype: bfloat16 on accelerators,
+  as Muon's authors run it; float32 on CPU).
 
   Normalized by the Frobenius norm (so every singular value is <= 1), iterated on the wide
   orientation (A <= B: the Gram matrix is the smaller A x A)."""
@@ -125,10 +130,12 @@ def newton_schulz(u_NAB: jax.Array, steps: int, eps: float = 1e-7) -> jax.Array:
   if tall:
     x = jnp.swapaxes(x, -1, -2)
   x = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + eps)
+  mm = lambda p, q: jnp.matmul(p.astype(matmul_dtype), q.astype(matmul_dtype),
+                               preferred_element_type=jnp.float32)
   a, b, c = NS_COEFFS
   for _ in range(steps):
-    gram = x @ jnp.swapaxes(x, -1, -2)
-    x = a * x + (b * gram + c * gram @ gram) @ x
+    gram = mm(x, jnp.swapaxes(x, -1, -2))
+    x = a * x + mm(b * gram + c * mm(gram, gram), x)
   return jnp.swapaxes(x, -1, -2) if tall else x
 
 
@@ -144,31 +151,55 @@ def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
   return steps * (4 * a * a * b + 2 * a ** 3)
 
 
-def _spread(x_NAB: jax.Array) -> jax.Array:
-  """Constrains the stack's matrix axis over as many of the mesh's axes as divide it, each
-  matrix whole on one device (a no-op outside a mesh or for a single matrix)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or x_NAB.shape[0] == 1:
-    return x_NAB
-  axes, size = [], 1
-  for name, n in zip(mesh.axis_names, mesh.axis_sizes):
-    if n > 1 and x_NAB.shape[0] % (size * n) == 0:
-      axes.append(name)
-      size *= n
-  if not axes:
-    return x_NAB
-  spec = jax.sharding.PartitionSpec(tuple(axes), None, None)
-  return jax.lax.with_sharding_constraint(x_NAB, spec)
+def _mesh_axes(entry) -> tuple[str, ...]:
+  """A PartitionSpec entry's mesh axes, major first."""
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def orthogonalize(u: jax.Array, layout: MatrixLayout, steps: int, adjust_lr: str) -> jax.Array:
-  """scale * NewtonSchulz(u) for every matrix of the stack, in u's shape and dtype."""
+def orthogonalize(u: jax.Array, layout: MatrixLayout, steps: int, adjust_lr: str,
+                  sharding: jax.sharding.NamedSharding | None = None) -> jax.Array:
+  """scale * NewtonSchulz(u) for every matrix of the stack, in u's shape and dtype.
+
+  With the parameter's `sharding`, where it splits a matrix's own dims over mesh axes, the
+  orthogonalization runs in shard_map: each device's block is exchanged, axis by axis, for whole
+  matrices (all_to_all: a matrix dim's pieces gathered, the stack split in as many parts; the
+  stack zero-padded to divide), orthogonalized there and sent back the same way. A device
+  holds its own share of the stack throughout, never the whole weight."""
+  scale = update_scale(*layout.sizes(u.shape)[1:], adjust_lr)
+  spec = tuple(sharding.spec) + (None,) * (u.ndim - len(sharding.spec)) if sharding else ()
+  # (matrix dim, mesh axis) pairs to undo, minor axis first so a dim's pieces land in order.
+  split = [(dim, axis) for dim in layout.rows + layout.cols if spec
+           for axis in reversed(_mesh_axes(spec[dim]))
+           if sharding.mesh.shape[axis] > 1]
   order = layout.batch + layout.rows + layout.cols
-  n, rows, cols = layout.sizes(u.shape)
-  moved = jnp.transpose(u, order)
-  o_NAB = newton_schulz(_spread(moved.reshape(n, rows, cols)), steps)
-  o = o_NAB.reshape(moved.shape) * update_scale(rows, cols, adjust_lr)
-  return jnp.transpose(o, tuple(order.index(i) for i in range(u.ndim))).astype(u.dtype)
+  inverse = tuple(order.index(i) for i in range(u.ndim))
+  nb = len(layout.batch)
+
+  def local(x):
+    moved = jnp.transpose(x, order)
+    batch = moved.shape[:nb]
+    x_N = moved.reshape(math.prod(batch), *moved.shape[nb:])
+    n = x_N.shape[0]
+    parts = math.prod(sharding.mesh.shape[a] for _, a in split) if split else 1
+    x_N = jnp.pad(x_N, [(0, -n % parts)] + [(0, 0)] * (x_N.ndim - 1))
+    for dim, axis in split:  # 1 + the dim's place among the matrix dims
+      x_N = jax.lax.all_to_all(x_N, axis, 0, 1 + order.index(dim) - nb, tiled=True)
+    matrix = x_N.shape[1:]
+    rows = math.prod(matrix[:len(layout.rows)])
+    o_N = newton_schulz(x_N.reshape(-1, rows, math.prod(matrix) // rows), steps)
+    o_N = o_N.reshape(x_N.shape) * scale
+    for dim, axis in reversed(split):
+      o_N = jax.lax.all_to_all(o_N, axis, 1 + order.index(dim) - nb, 0, tiled=True)
+    o = o_N[:n].reshape(moved.shape)
+    return jnp.transpose(o, inverse).astype(x.dtype)
+
+  if not split:
+    return local(u)
+  partition = jax.sharding.PartitionSpec(*spec)
+  return jax.shard_map(local, mesh=sharding.mesh, in_specs=partition, out_specs=partition,
+                       check_vma=False)(u)
 
 
 class ScaleByMuonState(NamedTuple):
@@ -176,11 +207,15 @@ class ScaleByMuonState(NamedTuple):
 
 
 def scale_by_muon(momentum: float, ns_steps: int, adjust_lr: str, nesterov: bool = True,
-                  state_dtype: Any = jnp.float32) -> optax.GradientTransformation:
+                  state_dtype: Any = jnp.float32,
+                  param_shardings: Any = None) -> optax.GradientTransformation:
   """Muon's update direction (before weight decay and learning rate) for a tree of matrices
   named as jaxtrain names its weights (`matrix_layout`); the momentum is kept in
-  `state_dtype`, computed in float32."""
+  `state_dtype`, computed in float32. `param_shardings` (the params' NamedShardings): the
+  orthogonalization then exchanges shards for whole matrices (`orthogonalize`)."""
   state_dtype = jnp.dtype(state_dtype)
+  by_path = {} if param_shardings is None else {
+      jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(param_shardings)}
 
   def init(params):
     return ScaleByMuonState(jax.tree.map(lambda p: jnp.zeros(p.shape, state_dtype), params))
@@ -192,7 +227,8 @@ def scale_by_muon(momentum: float, ns_steps: int, adjust_lr: str, nesterov: bool
       g32 = g.astype(jnp.float32)
       m32 = momentum * m.astype(jnp.float32) + g32
       u = g32 + momentum * m32 if nesterov else m32
-      return orthogonalize(u, layout, ns_steps, adjust_lr).astype(g.dtype), m32.astype(state_dtype)
+      o = orthogonalize(u, layout, ns_steps, adjust_lr, by_path.get(jax.tree_util.keystr(path)))
+      return o.astype(g.dtype), m32.astype(state_dtype)
     out = jax.tree_util.tree_map_with_path(one, grads, state.momentum)
     # (an optax.MaskedNode, a leaf multi_transform gave the other optimizer, is a tuple too)
     is_out = lambda x: isinstance(x, tuple) and not isinstance(x, optax.MaskedNode)

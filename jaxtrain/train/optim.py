@@ -97,8 +97,10 @@ class HostStateTransformation(optax.GradientTransformation):
   state_memory_kind = "pinned_host"
 
 
-def make_optimizer(config) -> optax.GradientTransformation:
-  """clip -> AdamW (moments in optim.state_dtype), optionally with host-resident state.
+def make_optimizer(config, param_shardings=None) -> optax.GradientTransformation:
+  """clip -> AdamW (moments in optim.state_dtype), or Muon for the projection matrices and AdamW
+  for the rest (optim.name="muon"; `param_shardings` lets Muon orthogonalize whole matrices
+  without gathering a stack: train/muon.py), optionally with host-resident state.
 
   The AdamW chain is optax.adamw's (scale_by_adam, masked weight decay, -lr), nested the same
   way, so the optimizer state's tree is unchanged from earlier checkpoints.
@@ -114,7 +116,8 @@ def make_optimizer(config) -> optax.GradientTransformation:
     m = o.muon
     direction = optax.multi_transform(
         {"muon": muon.scale_by_muon(m.momentum, m.ns_steps, m.adjust_lr, m.nesterov,
-                                    state_dtype=o.state_dtype),
+                                    state_dtype=o.state_dtype,
+                                    param_shardings=param_shardings),
          "adamw": direction}, muon.labels)
   parts.append(optax.chain(
       direction,

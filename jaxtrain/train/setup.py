@@ -98,7 +98,7 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
     except ValueError as e:
       raise ConfigError(str(e)) from None
   _, abstract_base, base_shardings = abstract_model(base_cfg, mesh)
-  tx = optim.make_optimizer(config)
+  tx = optim.make_optimizer(config, param_shardings)
   schedule = optim.learning_rate_schedule(config)
 
   frozen_shardings, make_frozen, heads_from_base = None, None, None
