@@ -161,3 +161,11 @@ def test_muon_run_resumes_bitwise_and_its_state_is_not_read_as_adamw(tmp_path):
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert ("holds the optimizer state of optim.name='muon', this run has optim.name='adamw'"
           in proc.stderr.strip().splitlines()[-1]), proc.stderr[-2000:]
+
+
+def test_newton_schulz_flops_per_step_count_every_matrix_of_the_stack():
+  """Two scanned [D=64, F=128] stacks of 2 layers, 5 steps: per matrix 5 * (4*64*64*128 +
+  2*64**3) (the Gram and its square on the wide side), times 4 matrices."""
+  params = {"layers": {"w_up_DF": jnp.zeros((2, 64, 128)), "w_down_FD": jnp.zeros((2, 128, 64)),
+                       "mlp_norm": {"scale": jnp.zeros((2, 64))}}}
+  assert muon.step_flops(params, 5) == 4 * 5 * (4 * 64 * 64 * 128 + 2 * 64 ** 3)

@@ -47,9 +47,11 @@ def _optimizer_row(config, model_cfg: ModelConfig, mesh: Mesh) -> str:
   if o.name != "muon":
     return f"AdamW (b1 {o.b1:g}, b2 {o.b2:g}, weight decay {o.weight_decay:g})"
   _, abstract_params, _ = sharding.abstract_model(model_cfg, mesh)
+  ns_flops = muon.step_flops(abstract_params, o.muon.ns_steps)
   return (f"Muon ({o.muon.ns_steps} Newton-Schulz steps, momentum {o.muon.momentum:g}, "
           f"{o.muon.adjust_lr}) for the projection matrices, AdamW for the rest: "
-          f"{muon.describe(abstract_params)}")
+          f"{muon.describe(abstract_params)}; Newton-Schulz "
+          f"{metrics_lib.format_count(ns_flops)} FLOPs per step (not model FLOPs: not in MFU)")
 
 
 def _start_rows(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConfig,

@@ -117,6 +117,18 @@ def describe(params) -> str:
   return "; ".join(part(k, *v) for k, v in totals.items())
 
 
+def step_flops(params, ns_steps: int) -> float:
+  """FLOPs of one step's orthogonalizations over the whole model (every matrix once; the padding
+  of a stack to the devices not counted). Not model FLOPs: MFU leaves them out."""
+  total = 0.0
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    layout = matrix_layout(path, leaf.shape)
+    if layout is not None:
+      n, rows, cols = layout.sizes(leaf.shape)
+      total += n * newton_schulz_flops(rows, cols, ns_steps)
+  return total
+
+
 def newton_schulz(u_NAB: jax.Array, steps: int, matmul_dtype: Any = jnp.float32,
                   eps: float = 1e-7) -> jax.Array:
   """The polar factor's quintic Newton-Schulz approximation, per matrix, in float32 with the
