@@ -343,6 +343,10 @@ def default_config() -> ml_collections.ConfigDict:
   # The update's scale: "match_rms_adamw" 0.2*sqrt(max(in, out)) (Moonlight: AdamW's learning
   # rate and weight decay carry over), or "original" sqrt(max(1, out/in)).
   c.optim.muon.adjust_lr = "match_rms_adamw"
+  # QK-clip (MuonClip, Kimi K2): after each update, every attention head whose largest logit in
+  # the step passed this threshold has its query and key weights scaled to bring it back to the
+  # threshold (jaxtrain/train/qk_clip.py). 0: off; Kimi K2 used 100.
+  c.optim.muon.qk_clip_threshold = 0.0
   c.optim.learning_rate = 3e-4
   c.optim.warmup_steps = 100
   c.optim.decay_steps = config_dict.placeholder(int)  # None: train.steps
@@ -357,6 +361,10 @@ def default_config() -> ml_collections.ConfigDict:
   # Keep the optimizer state in pinned host memory between steps (it comes to the device for
   # the update): frees 2x the param bytes (float32 moments) of device memory per device.
   c.optim.offload_state = False
+  # Report the step's largest pre-softmax attention logit (over layers, heads and the batch) as
+  # attn_max_logit in metrics.jsonl and TensorBoard; on by itself with QK-clip. It costs one more
+  # Q.K^T per layer in the forward pass (jaxtrain/ops/max_logit.py).
+  c.optim.log_max_logit = False
 
   c.data = ml_collections.ConfigDict()
   # "stdlib_bytes" (the demo corpus), "prepared" (a directory written by `python -m

@@ -55,12 +55,14 @@ class Block(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None, sliding=None,
                routing=None):
-    """(x_BTD, router statistics); `routing` [B, T, k]: an MoE block's experts to replay."""
-    out_BTD = self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, dropout_key, sliding)
+    """(x_BTD, statistics: an MoE block's router ones, the attention's largest logits when the
+    model tracks them); `routing` [B, T, k]: an MoE block's experts to replay."""
+    out_BTD, attn_stats = self.attn.with_stats(self.attn_norm(x_BTD), positions_BT,
+                                               segment_ids_BT, dropout_key, sliding)
     mask_BT = None if segment_ids_BT is None else segment_ids_BT > 0  # padding: not routed
     x_BTD, stats, _ = self._mlp_residual(self._attn_residual(x_BTD, out_BTD), mask_BT,
                                          dropout_key, routing)
-    return x_BTD, stats
+    return x_BTD, {**stats, **attn_stats}
 
   def decode(self, x_BCD, positions_BC, cache, start_B, sliding=None):
     """(x_BCD, updated cache, the chosen experts [B, C, k] or None for a dense block)."""

@@ -161,6 +161,9 @@ class Runtime:
   moe_seq_aux_loss_coef: float = 0.0
   moe_bias_update_rate: float = 0.0  # router correction biases' balancing step (train_step)
   mtp_loss_weight: float = 0.0  # the multi-token-prediction losses' weight (train_step)
+  # Each attention layer reports its heads' largest logits (ops/max_logit.py): for QK-clip
+  # (optim.muon.qk_clip_threshold) and the attn_max_logit metric (optim.log_max_logit).
+  track_max_logit: bool = False
   # What the model compiles for ("cpu", "gpu", "tpu"): it picks the attention kernel's route.
   # The mesh's devices decide it (train_setup.build), not the process's default backend, so a
   # CPU process compiles the GPU or TPU program for a deviceless target.
@@ -258,12 +261,28 @@ class ModelConfig:
                       moe_z_loss_coef=float(moe.router_z_loss_coef),
                       moe_seq_aux_loss_coef=float(moe.get("seq_aux_loss_coef", 0.0)),
                       moe_bias_update_rate=float(moe.get("bias_update_rate", 0.0)),
-                      mtp_loss_weight=float(m.get("mtp_loss_weight", 0.0)))
+                      mtp_loss_weight=float(m.get("mtp_loss_weight", 0.0)),
+                      track_max_logit=tracks_max_logit(config))
     parallel = Parallelism(context_parallel=a.context_parallel,
                            context_load_balance=bool(a.load_balance),
                            pipeline_microbatches=p.microbatches, pipeline_repeats=p.repeats,
                            pipeline_gather_weights_once=p.gather_weights_once)
     return cls(arch=architecture_of(config), runtime=runtime, parallel=parallel, peft=peft)
+
+
+def qk_clip_threshold(config) -> float:
+  """optim.muon.qk_clip_threshold of a run config with Muon (0: off, also for AdamW runs and
+  configs saved before the key existed)."""
+  o = config.get("optim")
+  if o is None or o.get("name", "adamw") != "muon" or "muon" not in o:
+    return 0.0
+  return float(o.muon.get("qk_clip_threshold", 0.0))
+
+
+def tracks_max_logit(config) -> bool:
+  """Whether the model reports its attention's largest logits: for QK-clip, or as a metric."""
+  o = config.get("optim")
+  return qk_clip_threshold(config) > 0 or bool(o is not None and o.get("log_max_logit", False))
 
 
 def rope_scaling_of(model_group) -> tuple[tuple[str, Any], ...] | None:

@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtrain.models import moe, mtp
+from jaxtrain.models import attention_stats, moe, mtp
 from jaxtrain.models.block import Block, attention_class
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.layers import norm, param
 from jaxtrain.models.remat import remat_policy
 from jaxtrain.models.variables import Head
+from jaxtrain.ops.max_logit import MAX_LOGIT
 from jaxtrain.parallel import context_parallel, layer_stack
 from jaxtrain.parallel.mesh import shard
 from jaxtrain.peft import lora as lora_lib
@@ -218,7 +219,7 @@ class Decoder(nnx.Module):
       x_BTD, layer_stats = layer_stack.run_layers(layers, x_BTD, positions_BT, segment_ids_BT,
                                                   layer_inputs, stack_options(cfg))
       if layer_stats:
-        stats.append(layer_stats)
+        stats.append(dict(layer_stats))
     states = []
     if predictions:
       h_BTD = x_BTD
@@ -228,6 +229,10 @@ class Decoder(nnx.Module):
         if module_stats:  # one layer's: stacked as a layer of its own, after the main ones
           stats.append(jax.tree.map(lambda v: v[None], module_stats))
         states.append(module.post_norm(h_BTD))
+    max_logits = [s.pop(MAX_LOGIT) for s in stats if MAX_LOGIT in s]
+    if max_logits:
+      attention_stats.report_max_logits(jnp.concatenate(max_logits))
+    stats = [s for s in stats if s]  # dense stacks report no router statistics
     if stats:
       moe.report_router_stats(jax.tree.map(lambda *s: jnp.concatenate(s), *stats))
     return self.final_norm(x_BTD), states

@@ -28,6 +28,7 @@ from jaxtrain.models.rope import apply_rope, rope_attention_factor, rope_inv_fre
 from jaxtrain.models.variables import RouterBias
 from jaxtrain.ops import attention as attention_lib
 from jaxtrain.ops.grouped_matmul import resolve_impl
+from jaxtrain.ops.max_logit import MAX_LOGIT, max_logit_per_head
 from jaxtrain.ops.projection import project, weight_value
 from jaxtrain.ops.quantize import QuantizedWeight
 from jaxtrain.parallel.mesh import shard
@@ -127,6 +128,7 @@ class Attention(nnx.Module):
     self.dtype = jnp.dtype(cfg.runtime.dtype)
     self.explicit_transpose_for_dw = cfg.runtime.explicit_transpose_for_dw
     self.precision = cfg.runtime.matmul_precision
+    self.track_max_logit = cfg.runtime.track_max_logit
 
   def _is_sliding(self, sliding):
     """This call's layer type: the layer's own, else the one passed in (a traced bool scalar
@@ -211,15 +213,28 @@ class Attention(nnx.Module):
     return {"k": kv, "v": kv}
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None, sliding=None):
+    return self.with_stats(x_BTD, positions_BT, segment_ids_BT, dropout_key, sliding)[0]
+
+  def with_stats(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None, sliding=None):
+    """(the sublayer's output, {"attn_max_logit": [H]} when the model tracks its largest
+    logits (runtime.track_max_logit; ops/max_logit.py), else {})."""
     sliding = self._is_sliding(sliding)
     proj = functools.partial(project, dtype=self.dtype, precision=self.precision,
                              dropout_key=dropout_key,
                              explicit_transpose_for_dw=self.explicit_transpose_for_dw)
     q_BTHE, k_BTKE, v_BTKE = self._qkv(x_BTD, positions_BT, proj, sliding, training=True)
+    stats = {}
+    if self.track_max_logit:
+      window = None if sliding is False else (
+          self.window if sliding is True else jnp.where(sliding, self.window, 0))
+      stats[MAX_LOGIT] = max_logit_per_head(q_BTHE, k_BTKE, positions_BT, segment_ids_BT,
+                                            sm_scale=self.sm_scale, window=window)
     out_BTHE = self._attend(q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, sliding)
     b, t, h, e = out_BTHE.shape
     out_BTD = proj(out_BTHE.reshape(b, t, h * e), self.wo_HED, self.lora_o, num_in=2)
-    return checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")), "out_proj")
+    out_BTD = checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")),
+                              "out_proj")
+    return out_BTD, stats
 
 
 class MLP(nnx.Module):

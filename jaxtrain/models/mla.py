@@ -35,6 +35,7 @@ from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.layers import norm, projection_weight
 from jaxtrain.models.rope import apply_rope, rope_attention_factor, rope_inv_freq, yarn_mscale
 from jaxtrain.ops import attention as attention_lib
+from jaxtrain.ops.max_logit import MAX_LOGIT, max_logit_per_head
 from jaxtrain.ops.projection import project, weight_value
 from jaxtrain.parallel.mesh import shard
 from jaxtrain.peft import lora as lora_lib
@@ -90,6 +91,7 @@ class LatentAttention(nnx.Module):
     self.dtype = jnp.dtype(cfg.runtime.dtype)
     self.explicit_transpose_for_dw = cfg.runtime.explicit_transpose_for_dw
     self.precision = cfg.runtime.matmul_precision
+    self.track_max_logit = cfg.runtime.track_max_logit
 
   def _rope(self, x_BTNP, positions_BT):
     scaling = dict(self.rope[2]) if self.rope[2] else None
@@ -117,6 +119,11 @@ class LatentAttention(nnx.Module):
         self.wq_DHE.shape[-1] - self.rope[0])
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None, sliding=None):
+    return self.with_stats(x_BTD, positions_BT, segment_ids_BT, dropout_key, sliding)[0]
+
+  def with_stats(self, x_BTD, positions_BT, segment_ids_BT, dropout_key=None, sliding=None):
+    """(the sublayer's output, {"attn_max_logit": [H]} when the model tracks its largest
+    logits (runtime.track_max_logit; ops/max_logit.py), else {})."""
     del sliding
     proj = functools.partial(project, dtype=self.dtype, precision=self.precision,
                              dropout_key=dropout_key,
@@ -133,12 +140,18 @@ class LatentAttention(nnx.Module):
     k_BTHE = checkpoint_name(shard(jnp.concatenate([k_nope_BTHN, k_rope_BTHP], -1), heads),
                              "key_proj")
     v_BTHU = checkpoint_name(shard(v_BTHU, heads), "value_proj")
+    stats = {}
+    if self.track_max_logit:
+      stats[MAX_LOGIT] = max_logit_per_head(q_BTHE, k_BTHE, positions_BT, segment_ids_BT,
+                                            sm_scale=self.sm_scale)
     out_BTHU = attention_lib.attention(q_BTHE, k_BTHE, v_BTHU, segment_ids_BT,
                                        sm_scale=self.sm_scale, impl=self.impl,
                                        **dict(self.attention_options))
     b, t, h, u = out_BTHU.shape
     out_BTD = proj(out_BTHU.reshape(b, t, h * u), self.wo_HUD, self.lora_o, num_in=2)
-    return checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")), "out_proj")
+    out_BTD = checkpoint_name(shard(out_BTD, ("act_batch", "act_length", "act_embed")),
+                              "out_proj")
+    return out_BTD, stats
 
   def decode(self, x_BCD, positions_BC, cache, start_B, sliding=None):
     """C new tokens per row against the latent cache: their latents and RoPE keys are written

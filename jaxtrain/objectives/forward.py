@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxtrain.models import moe, mtp
+from jaxtrain.models import attention_stats, moe, mtp
+from jaxtrain.ops import max_logit
 from jaxtrain.ops.cross_entropy import chunked_cross_entropy
 
 Batch = dict[str, jax.Array]
@@ -62,13 +63,25 @@ def router_terms(model, router_passes: list[dict], count, *, training: bool = Tr
   return (extra * count if training else 0.0), metrics
 
 
+def max_logit_terms(logit_passes: list) -> dict:
+  """{attn_max_logit: the largest logit, HEAD_MAX_LOGITS: [L, H] per layer and head} of the
+  forward passes' attention layers (models/attention_stats.collect_max_logits): maxima, which
+  the train step combines over microbatches by max (train/step.MAX_METRICS). Nothing when the
+  model does not track them."""
+  if not logit_passes:
+    return {}
+  per_head_LH = functools.reduce(jnp.maximum, logit_passes)
+  return {max_logit.MAX_LOGIT: jnp.max(per_head_LH), max_logit.HEAD_MAX_LOGITS: per_head_LH}
+
+
 def loss_sum_fn(params, graphdef, batch: Batch, loss_chunk_size: int, frozen=None,
                 dropout_key=None, *, training: bool = True):
   """(summed loss, token count, {metric: sum}) of a language-model batch under `params`; an MoE
   model's loss includes its router's auxiliary losses when `training`."""
   model = merge_model(graphdef, params, frozen)
   batch = model.sequence_layout(batch)
-  with moe.collect_router_stats() as router_passes:
+  with moe.collect_router_stats() as router_passes, \
+       attention_stats.collect_max_logits() as logit_passes:
     if model.cfg.arch.mtp_depth:
       x_BTD, predictions = _hidden_states(model, batch, dropout_key, predictions=True)
     else:
@@ -80,6 +93,8 @@ def loss_sum_fn(params, graphdef, batch: Batch, loss_chunk_size: int, frozen=Non
       in_fp8=model.cfg.runtime.fp8_head)
   loss_sum, count = cross_entropy(x_BTD, w, batch["targets"], batch["loss_mask"])
   extra, metrics = router_terms(model, router_passes, count, training=training)
+  if training:
+    metrics.update(max_logit_terms(logit_passes))
   if predictions:
     mtp_extra, mtp_metrics = mtp_terms(model, predictions, w, batch, cross_entropy, count)
     extra = extra + (mtp_extra if training else 0.0)

@@ -30,6 +30,7 @@ from jaxtrain.models.config import ModelConfig
 from jaxtrain.objectives import Objective
 from jaxtrain.objectives.feeders import evaluate, to_global_batch  # re-exported for the loop's callers
 from jaxtrain.objectives.grpo.rewards import RewardError
+from jaxtrain.ops import max_logit
 from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.mesh import DCN_AXES, MeshShape, make_mesh
 from jaxtrain.peft import state as peft_state
@@ -467,7 +468,8 @@ def _log(writer, meter: _Throughput, spikes: LossSpikeDetector, step: int, devic
             "loss_spikes": spikes.spikes}
   # A max over no elements (-inf: e.g. logprob_mismatch of a warm-up step, which sampled no
   # tokens) is left out, as metrics that do not apply are.
-  record.update({k: m[k] for k in metric_names + moe.METRIC_NAMES + mtp.METRIC_NAMES
+  record.update({k: m[k] for k in (metric_names + moe.METRIC_NAMES + mtp.METRIC_NAMES
+                                   + max_logit.METRIC_NAMES)
                  if k in m and not (k in MAX_METRICS and m[k] == float("-inf"))})
   if writer:
     writer.write_train(step, record)

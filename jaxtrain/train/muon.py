@@ -145,9 +145,10 @@ def newton_schulz(u_NAB: jax.Array, steps: int, matmul_dtype: Any = jnp.float32,
   mm = lambda p, q: jnp.matmul(p.astype(matmul_dtype), q.astype(matmul_dtype),
                                preferred_element_type=jnp.float32)
   a, b, c = NS_COEFFS
-  for _ in range(steps):
+  def body(_, x):
     gram = mm(x, jnp.swapaxes(x, -1, -2))
-    x = a * x + mm(b * gram + c * mm(gram, gram), x)
+    return a * x + mm(b * gram + c * mm(gram, gram), x)
+  x = jax.lax.fori_loop(0, steps, body, x)
   return jnp.swapaxes(x, -1, -2) if tall else x
 
 

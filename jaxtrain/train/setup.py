@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jaxtrain import objectives
 from jaxtrain.checkpointing.checkpointer import abstract_like
 from jaxtrain.config import ConfigError
-from jaxtrain.models.config import ModelConfig
+from jaxtrain.models.config import ModelConfig, qk_clip_threshold
 from jaxtrain.models.sharding import abstract_model, init_params_fn
 from jaxtrain.objectives import LanguageModel, Objective
 from jaxtrain.objectives.forward import Frozen
@@ -134,7 +134,9 @@ def build(config, mesh: Mesh, model_cfg: ModelConfig | None = None) -> Setup:
                          loss_chunk_size=config.train.loss_chunk_size,
                          param_shardings=param_shardings, objective=objective,
                          dropout_seed=dropout_seed,
-                         bias_update_rate=_bias_update_rate(model_cfg))
+                         bias_update_rate=_bias_update_rate(model_cfg),
+                         qk_clip_threshold=qk_clip_threshold(config),
+                         rope_head_dim=model_cfg.arch.qk_rope_head_dim)
   batch_shardings = objective.batch_shardings(config, mesh)
   train_step = jit_train_step(step, full_shardings, mesh, batch_shardings)
   eval_step = jit_eval_step(make_eval_step(graphdef, config.train.loss_chunk_size,

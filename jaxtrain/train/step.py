@@ -21,8 +21,10 @@ from jaxtrain.data.pipeline import BATCH_KEYS  # the language-model batch (modul
 from jaxtrain.models import moe
 from jaxtrain.objectives.forward import Frozen
 from jaxtrain.objectives.grpo.loss import LOGPROB_MISMATCH
+from jaxtrain.ops import max_logit
 from jaxtrain.parallel.mesh import batch_sharding, replicated, shard
 from jaxtrain.parallel.pipeline import stage_count
+from jaxtrain.train.qk_clip import qk_clip
 
 Batch = dict[str, jax.Array]
 
@@ -30,7 +32,7 @@ Batch = dict[str, jax.Array]
 # step takes their max over accumulation microbatches and does not divide them by the count
 # (over devices the max over the global batch already is one). -inf: nothing to measure (the
 # loop leaves them out of the log record).
-MAX_METRICS = frozenset({LOGPROB_MISMATCH})
+MAX_METRICS = frozenset({LOGPROB_MISMATCH, max_logit.MAX_LOGIT, max_logit.HEAD_MAX_LOGITS})
 
 
 def _combine_metrics(acc: dict, new: dict) -> dict:
@@ -149,7 +151,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                     grad_accum_steps: int = 1, loss_chunk_size: int = 512,
                     param_shardings=None, objective: str = "lm", dpo_beta: float = 0.1,
                     dropout_seed: int | None = None,
-                    bias_update_rate: float = 0.0) -> Callable:
+                    bias_update_rate: float = 0.0, qk_clip_threshold: float = 0.0,
+                    rope_head_dim: int = 0) -> Callable:
   """Returns the pure `train_step(state, batch) -> (state, metrics)`.
 
   `dropout_seed` (LoRA dropout): each step's key is the seed folded with the step number, so a
@@ -159,6 +162,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
   the update, each router bias moves against its experts' load error in this step's batch
   (models/moe.balance_router_biases). The optimizer leaves them as they are: their gradient
   is zero (they only choose experts) and weight decay skips them (optim.weight_decay_mask).
+
+  `qk_clip_threshold` (optim.muon.qk_clip_threshold; 0: off): after the update, the query and
+  key weights of every attention head whose largest logit in this step's batch passed it are
+  scaled back to it (train/qk_clip.py; `rope_head_dim`: latent attention's rotary part).
   """
   grad_fn = make_grad_fn(graphdef, grad_accum_steps=grad_accum_steps,
                          loss_chunk_size=loss_chunk_size, param_shardings=param_shardings,
@@ -170,6 +177,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
       key = jax.random.fold_in(jax.random.key(dropout_seed), state.step)
     loss, count, grads, aux = grad_fn(state.params, batch, state.frozen, key)
     load_LX = aux.pop(moe.EXPERT_LOAD, None)
+    max_logit_LH = aux.pop(max_logit.HEAD_MAX_LOGITS, None)
     grad_norm = optax.tree.norm(grads)
     # Optimizer state kept in host memory (optim.offload_state) is brought to the device for the
     # update, and the out_shardings send the new state back; for device-resident state this is a
@@ -179,6 +187,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     params = optax.apply_updates(state.params, updates)
     if load_LX is not None and bias_update_rate > 0:
       params = moe.balance_router_biases(params, load_LX, bias_update_rate)
+    if max_logit_LH is not None and qk_clip_threshold > 0:
+      params = qk_clip(params, max_logit_LH, qk_clip_threshold, rope_head_dim)
     # A NaN/Inf loss or gradient skips the update (params and optimizer state unchanged) rather
     # than poisoning the weights; the trainer stops after too many in a row.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

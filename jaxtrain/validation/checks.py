@@ -12,8 +12,8 @@ import os
 
 from jaxtrain import hardware as targets
 from jaxtrain import objectives
-from jaxtrain.config import (ATTENTION_IMPLS, DTYPES, MATMUL_PRECISIONS, OPTIMIZERS,
-                             REMAT_POLICIES, ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError,
+from jaxtrain.config import (ATTENTION_IMPLS, DTYPES, MATMUL_PRECISIONS, REMAT_POLICIES,
+                             ROPE_SCALING_TYPES, STATE_DTYPES, ConfigError,
                              lora_targets)
 from jaxtrain.models import registry
 from jaxtrain.models.config import LAYER_TYPES, SLIDING, parse_layer_types
@@ -21,11 +21,11 @@ from jaxtrain.ops.attention import CUDNN_MAX_HEAD_DIM, cudnn_takes
 from jaxtrain.parallel.context_parallel import STRATEGIES as CONTEXT_STRATEGIES
 from jaxtrain.parallel.mesh import MESH_AXES, MeshShape, check_divides, param_dims, resolve_shape
 from jaxtrain.parallel.pipeline import resolve_microbatches
-from jaxtrain.train import muon
 from jaxtrain.validation.finetuning import check_finetuning
 from jaxtrain.validation.moe import (check_latent_attention, check_moe,
                                      check_multi_token_prediction)
 from jaxtrain.validation.multihost import check_multihost
+from jaxtrain.validation.optimizer import check_max_logit, check_optimizer
 
 
 def resolve_mesh_shape(config, num_devices: int) -> MeshShape:
@@ -199,27 +199,6 @@ def _check_mxfp8(config) -> None:
                         f"(the format scales blocks of 32 along each matmul's contracting dim)")
 
 
-def _check_optimizer(config) -> None:
-  o = config.optim
-  if o.name not in OPTIMIZERS:
-    raise ConfigError(f"optim.name={o.name!r}: unknown optimizer; choose one of "
-                      f"{', '.join(OPTIMIZERS)}")
-  if o.name != "muon":
-    return
-  if o.muon.ns_steps < 1:
-    raise ConfigError(f"optim.muon.ns_steps={o.muon.ns_steps}: Newton-Schulz needs at least 1 "
-                      f"iteration (5 is Muon's default)")
-  if not 0 <= o.muon.momentum < 1:
-    raise ConfigError(f"optim.muon.momentum={o.muon.momentum}: must be in [0, 1) (0.95 is "
-                      f"Muon's default)")
-  if o.muon.adjust_lr not in muon.ADJUST_LR:
-    raise ConfigError(f"optim.muon.adjust_lr={o.muon.adjust_lr!r}: choose one of "
-                      f"{', '.join(muon.ADJUST_LR)}")
-  if config.lora.rank > 0:
-    raise ConfigError(f"optim.name='muon' with lora.rank={config.lora.rank}: Muon trains full "
-                      f"projection matrices; LoRA's adapters train with optim.name='adamw'")
-
-
 def validate(config, num_devices: int, platform: str = "cpu", *,
              num_processes: int | None = None, num_slices: int = 1,
              for_run: bool = True) -> MeshShape:
@@ -294,7 +273,7 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
   if m.dtype not in DTYPES + ("auto",):
     raise ConfigError(f"model.dtype={m.dtype!r}: choose one of {', '.join(DTYPES)} or 'auto' "
                       f"(bfloat16 on accelerators, float32 on CPU)")
-  _check_optimizer(config)
+  check_optimizer(config)
   if config.optim.state_dtype not in STATE_DTYPES:
     raise ConfigError(f"optim.state_dtype={config.optim.state_dtype!r}: choose one of "
                       f"{', '.join(STATE_DTYPES)}")
@@ -320,6 +299,7 @@ def validate(config, num_devices: int, platform: str = "cpu", *,
                       f"attention under context parallelism (mesh.context={mesh.context}) is not "
                       f"supported; use mesh.context=1 (a window bounds attention's memory anyway)")
   _check_pipeline(config, mesh)
+  check_max_logit(config, mesh)
 
   t = config.train
   per_step = mesh.batch_shards * t.grad_accum_steps
