@@ -26,6 +26,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Adam moments: float16 is refused, its range underflows the second moment of small grads.
 STATE_DTYPES = ("float32", "bfloat16")
 OPTIMIZERS = ("adamw", "muon")  # optim.name
+MUON_ADJUST_LR = ("match_rms_adamw", "original")  # optim.muon.adjust_lr (train/muon.update_scale)
 OBJECTIVES = ("lm", "dpo", "grpo", "reward", "ppo")
 # grpo.on_reward_error: stop the run, or skip the batch of rollouts (drawing the next prompts).
 REWARD_ERROR_POLICIES = ("stop", "skip")

@@ -58,7 +58,7 @@ def _model_max_logits(graphdef, params, batch):
   with attention_stats.collect_max_logits() as passes:
     model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"])
   assert len(passes) == 1
-  return np.asarray(passes[0])
+  return passes[0]
 
 
 @pytest.mark.parametrize("config_of", [
@@ -78,25 +78,30 @@ def test_after_a_clip_the_clipped_heads_reach_the_threshold_and_the_rest_are_unc
   mesh = mesh_of({})
   with jax.set_mesh(mesh):
     graphdef, params = init_params(cfg, mesh, seed=0)
-    # Sharper logits than the init's, so the heads' maxima spread out.
-    params = jax.tree_util.tree_map_with_path(
-        lambda p, x: x * 8 if any(getattr(k, "key", None) in ("wq_DHE", "wk_DKE", "wq_b_QHE",
-                                                                "wkv_b_RHB") for k in p) else x,
-        params)
+    # Sharper logits than the init's, so the heads' maxima spread out; biases (zero at init)
+    # that move the logits, so a bias the clip missed shows.
+    def sharpen(path, x):
+      names = [getattr(k, "key", None) for k in path]
+      if any(n in ("wq_DHE", "wk_DKE", "wq_b_QHE", "wkv_b_RHB") for n in names):
+        return x * 8
+      if any(n in ("bq_HE", "bk_KE") for n in names):
+        return x + jax.random.normal(jax.random.key(len(names)), x.shape, x.dtype)
+      return x
+    params = jax.tree_util.tree_map_with_path(sharpen, params)
     batch = {k: jnp.asarray(v) for k, v in packed_batch(
         4, 32, config.model.vocab_size, seed=1).items()}
     # (the multi-token modules' attention runs in the training forward only)
-    before = (_mtp_max_logits if cfg.arch.mtp_depth else _model_max_logits)(graphdef, params,
-                                                                            batch)
+    forward = jax.jit(_mtp_max_logits if cfg.arch.mtp_depth else _model_max_logits,
+                      static_argnums=0)
+    before = np.asarray(forward(graphdef, params, batch))
     threshold = float(np.median(before))
-    forward = _mtp_max_logits if cfg.arch.mtp_depth else _model_max_logits
     # Layer by layer (a clipped layer changes the inputs of the layers after it): only row l's
     # maxima handed to the clip, the other rows -inf (nothing to clip).
     for layer in range(before.shape[0]):
       only_LH = np.full_like(before, -np.inf)
       only_LH[layer] = before[layer]
       clipped = qk_clip(params, jnp.asarray(only_LH), threshold, cfg.arch.qk_rope_head_dim)
-      after = forward(graphdef, clipped, batch)
+      after = np.asarray(forward(graphdef, clipped, batch))
       over = before[layer] > threshold
       np.testing.assert_allclose(after[layer][over], threshold, rtol=2e-5)
       np.testing.assert_allclose(after[layer][~over], before[layer][~over], rtol=2e-5)
@@ -120,7 +125,7 @@ def _mtp_max_logits(graphdef, params, batch):
   with attention_stats.collect_max_logits() as passes:
     model.hidden_states_with_predictions(batch["inputs"], batch["positions"],
                                          batch["segment_ids"])
-  return np.asarray(passes[0])
+  return passes[0]
 
 
 _RUN = ["--config.optim.name=muon", "--config.optim.log_max_logit=True",

@@ -285,7 +285,9 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
       f"  parameters       {format_bytes(m.params):>11}  exact, from the shardings"
       + (f" (trained {format_bytes(m.params - m.frozen)}, frozen {format_bytes(m.frozen)})"
          if m.frozen else ""),
-      f"  optimizer state  {format_bytes(m.opt_device):>11}  exact (device memory)",
+      f"  optimizer state  {format_bytes(m.opt_device):>11}  exact (device memory)"
+      + (f"; Muon: {format_bytes(m.adamw_opt - m.opt_device - m.opt_host)} less than AdamW's "
+         f"{format_bytes(m.adamw_opt)}" if m.adamw_opt else ""),
       *([f"  reward models    {format_bytes(m.resident):>11}  exact, frozen weights "
          f"(grpo.reward_models) scoring the rollouts between steps"] if m.resident else []),
       f"  batch            {format_bytes(m.batch):>11}  exact",

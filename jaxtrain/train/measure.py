@@ -37,6 +37,8 @@ from jaxtrain.models.config import ModelConfig
 from jaxtrain.parallel.mesh import MeshShape, make_mesh, platform_of_backend
 from jaxtrain.train import hlo_flops
 from jaxtrain.train import memory_breakdown as breakdown_lib
+from jaxtrain.train import optim
+from jaxtrain.train.step import opt_state_shardings
 from jaxtrain.validation.checks import validate
 
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
@@ -91,6 +93,8 @@ class Measurement:
   breakdown: breakdown_lib.Breakdown | None = None
   reported_temp: int | None = None
   hlo: str = ""  # the compiled step's optimized HLO text, which the FLOP count reads
+  # optim.name=muon: what AdamW's state (two moments for every weight) would take, exact.
+  adamw_opt: int = 0
 
   @property
   def total(self) -> int:
@@ -264,6 +268,19 @@ def batch_bytes(batch) -> int:
   return sum(_shard_bytes(x, x.sharding) for x in batch.values())
 
 
+def adamw_state_bytes(config, setup) -> int:
+  """Per-device bytes of the optimizer state the same run would keep under optim.name=adamw
+  (for a Muon run's comparison), exact from the shardings."""
+  adamw = config.copy_and_resolve_references()
+  adamw.optim.name = "adamw"
+  tx = optim.make_optimizer(adamw)
+  param_shardings = jax.tree.map(lambda a: a.sharding, setup.abstract_params)
+  abstract = jax.eval_shape(tx.init, setup.abstract_params)
+  shardings = opt_state_shardings(tx, setup.abstract_params, param_shardings, setup.mesh)
+  return sum(_shard_bytes(a, s) for a, s in zip(jax.tree.leaves(abstract),
+                                                 jax.tree.leaves(shardings)))
+
+
 def compiled_bytes(compiled) -> tuple[int, int]:
   """(temporaries, new outputs) per device of a compiled step: outputs not written over the
   donated inputs count, the rest reuse the inputs' buffers."""
@@ -322,7 +339,8 @@ def _compile_and_measure(config, devices, platform: str | None = None,
       param_shards=param_shards + frozen_shards, attention_note=attention_note,
       frozen=exact.frozen, resident=setup.objective.resident_bytes(config, setup.mesh),
       act_host=act_host, offload_note=offload_note,
-      breakdown=found if with_breakdown else None, reported_temp=reported_temp, hlo=hlo)
+      breakdown=found if with_breakdown else None, reported_temp=reported_temp, hlo=hlo,
+      adamw_opt=adamw_state_bytes(config, setup) if config.optim.name == "muon" else 0)
 
 
 def _refused(config, devices, platform, e: CompilerOutOfMemory, compile_s: float) -> Measurement:

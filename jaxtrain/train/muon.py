@@ -41,8 +41,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxtrain.config import MUON_ADJUST_LR
+
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic Newton-Schulz of Keller Jordan's Muon
-ADJUST_LR = ("match_rms_adamw", "original")
+ADJUST_LR = MUON_ADJUST_LR
 # Leaves that keep AdamW although their names end in shape letters: the token embedding, the
 # output head (Muon's authors keep both on AdamW) and the MoE router.
 _ADAMW_PREFIXES = ("embed", "head", "router")

@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-from jaxtrain.config import OPTIMIZERS, ConfigError
+from jaxtrain.config import MUON_ADJUST_LR, OPTIMIZERS, ConfigError
 from jaxtrain.models import registry
 from jaxtrain.parallel.mesh import MeshShape
-from jaxtrain.train import muon
 
 
 def check_optimizer(config) -> None:
@@ -23,9 +22,9 @@ def check_optimizer(config) -> None:
   if not 0 <= o.muon.momentum < 1:
     raise ConfigError(f"optim.muon.momentum={o.muon.momentum}: must be in [0, 1) (0.95 is "
                       f"Muon's default)")
-  if o.muon.adjust_lr not in muon.ADJUST_LR:
+  if o.muon.adjust_lr not in MUON_ADJUST_LR:
     raise ConfigError(f"optim.muon.adjust_lr={o.muon.adjust_lr!r}: choose one of "
-                      f"{', '.join(muon.ADJUST_LR)}")
+                      f"{', '.join(MUON_ADJUST_LR)}")
   if config.lora.rank > 0:
     raise ConfigError(f"optim.name='muon' with lora.rank={config.lora.rank}: Muon trains full "
                       f"projection matrices; LoRA's adapters train with optim.name='adamw'")
