@@ -138,7 +138,9 @@ def newton_schulz(u_NAB: jax.Array, steps: int, matmul_dtype: Any = jnp.float32,
   as Muon's authors run it; float32 on CPU).
 
   Normalized by the Frobenius norm (so every singular value is <= 1), iterated on the wide
-  orientation (A <= B: the Gram matrix is the smaller A x A)."""
+  orientation (A <= B: the Gram matrix is the smaller A x A). The iterations are a fori_loop:
+  one iteration's buffers live at a time, and jax 0.10.2's XLA:GPU could not tile the unrolled
+  form's Gram products of a 7168-wide matrix in a Triton GEMM fusion (kimi_k2_1t)."""
   x = u_NAB.astype(jnp.float32)
   tall = x.shape[-2] > x.shape[-1]
   if tall:

@@ -26,8 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-# Leaves of a grouped-query attention module the clip scales: name -> (query or key,).
-_GQA = {"wq_DHE": ("q",), "bq_HE": ("q",), "wk_DKE": ("k",), "bk_KE": ("k",)}
+# Leaves of a grouped-query attention module the clip scales: name -> the query's or the key's.
+_GQA = {"wq_DHE": "q", "bq_HE": "q", "wk_DKE": "k", "bk_KE": "k"}
 _MLA_QUERY = ("wq_b_QHE", "wq_DHE")
 _MLA_KEY = "wkv_b_RHB"
 
@@ -83,7 +83,7 @@ def qk_clip(params, max_logit_LH: jax.Array, threshold: float, rope_head_dim: in
     for name, (i, leaf) in module.items():
       # [(L,) H, columns] (a grouped-query factor is per head: one column for all), with ones
       # for the leaf's input dims between the stack and the heads.
-      factor = scales[name] if latent else scales[_GQA[name][0]][..., None]
+      factor = scales[name] if latent else scales[_GQA[name]][..., None]
       shape = factor.shape[:stacked] + (1,) * (leaf.ndim - factor.ndim) + factor.shape[stacked:]
       leaves[i] = (leaf * factor.reshape(shape)).astype(leaf.dtype)
   if row != gamma_LH.shape[0]:
