@@ -137,7 +137,8 @@ _RUN = ["--config.optim.name=muon", "--config.optim.log_max_logit=True",
 def test_a_muon_run_with_qk_clip_holds_its_max_logit_near_the_threshold(tmp_path):
   """tiny.py's small model, Muon at a high learning rate: unclipped, the logged max logit
   climbs past 1.5; with the threshold at 1.0 it stays within one step's growth of it once the
-  clip begins (the logged figure is the step's forward, before that step's own clip)."""
+  clip begins (the logged figure is the step's forward, before that step's own clip: the update
+  between two clips, at this high learning rate, adds up to ~15%)."""
   logits = lambda records: [r[max_logit_lib.MAX_LOGIT] for r in records if "loss" in r]
   _, free = run_tiny(tmp_path / "free", *_RUN)
   _, held = run_tiny(tmp_path / "held", *_RUN, "--config.optim.muon.qk_clip_threshold=1.0")
@@ -147,7 +148,9 @@ def test_a_muon_run_with_qk_clip_holds_its_max_logit_near_the_threshold(tmp_path
   begins = next(i for i, v in enumerate(held) if v > 1.0)
   # The same run until the first clip (another program: rounding may differ in the last bits).
   np.testing.assert_allclose(held[:begins + 1], free[:begins + 1], rtol=1e-5)
-  assert max(held[begins + 1:]) < 1.12, held
+  # (the first step after the clip holds most of one update's growth: 1.095 on jax 0.10.2,
+  # 1.144 on jax 0.12; the unclipped run climbs to 1.61)
+  assert max(held[begins + 1:]) < 1.2, held
   assert held[-1] < 0.75 * free[-1], (held, free)
 
 
