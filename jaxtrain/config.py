@@ -18,8 +18,7 @@ from ml_collections import config_dict
 REMAT_POLICIES = ("none", "full", "minimal", "save_dots", "save_qkv_proj", "minimal_offload",
                   "save_dots_offload", "save_qkv_proj_offload")
 ATTENTION_IMPLS = ("xla", "pallas", "cudnn", "auto")
-# precision.matmul: jaxtrain/ops/fp8.py (per-tensor scales), jaxtrain/ops/mxfp8.py (32-element
-# blocks).
+# precision.matmul: ops/fp8.py (per-tensor scales), ops/mxfp8.py (32-element blocks).
 MATMUL_PRECISIONS = ("none", "fp8", "mxfp8")
 ROPE_SCALING_TYPES = ("none", "llama3", "linear", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -248,13 +247,9 @@ def default_config() -> ml_collections.ConfigDict:
   # A logged loss more than this many standard deviations above its running mean is reported
   # as a spike (console warning, `loss_spikes` in metrics.jsonl); 0 turns the check off.
   c.train.loss_spike_sigmas = 6.0
-  # "lm": next-token cross-entropy on loss-mask tokens (pre-training, and SFT when data.format
-  # marks the prompt out of the loss); "dpo": Direct Preference Optimization on preference
-  # pairs (data.format="preference") against a frozen reference (see the dpo group); "grpo":
-  # online RL on prompts (data.format="prompt") with completions sampled in the loop and scored
-  # by reward functions (see the grpo group); "reward": a reward model (a score head, see
-  # model.score_head) trained on preference pairs with the Bradley-Terry loss (the reward group);
-  # "ppo": online RL like grpo with a value head and GAE advantages (the ppo group).
+  # "lm" (next-token cross-entropy: pre-training, SFT), "dpo" (preference pairs against a frozen
+  # reference), "grpo" / "ppo" (online RL on prompts), "reward" (a Bradley-Terry reward model);
+  # each has its group below, docs/finetuning.md.
   c.train.objective = "lm"
 
   # Reward-model training (jaxtrain.objectives.reward.loss, docs/finetuning.md): loss per pair
@@ -281,28 +276,22 @@ def default_config() -> ml_collections.ConfigDict:
   # Comma-separated "module:function" names, rewards summed (jaxtrain.objectives.grpo.rewards shows
   # the call).
   c.grpo.reward_fns = "jaxtrain.objectives.grpo.rewards:exact_match"
-  # Frozen reward models added to the functions' sum (jaxtrain.objectives.grpo.reward_models):
-  # comma-separated "PATH" or "PATH:WEIGHT" (weight 1 by default), each a run of
-  # train.objective='reward', a weights directory or a Hugging Face *ForSequenceClassification
-  # directory; scored on the devices, each batch of rollouts in one forward pass. Every source,
-  # function or model, is logged as reward_<name>_mean.
+  # Frozen reward models added to the functions' sum (objectives/grpo/reward_models.py):
+  # comma-separated "PATH" or "PATH:WEIGHT", each a reward run, a weights directory or a Hugging
+  # Face *ForSequenceClassification directory; every source is logged as reward_<name>_mean.
   c.grpo.reward_models = ""
   # A reward function that raises or returns bad values: "stop" the run (one line naming it),
   # or "skip" that batch of rollouts and draw the next prompts (counted as reward_errors).
   c.grpo.on_reward_error = "stop"
   c.grpo.max_skipped_batches = 10  # with "skip": this many in a row stop the run
-  # Supervised warm-up: the first warmup_steps steps train on the reference completion in
-  # each record's warmup_column (with EOS) instead of sampled ones, as the GRPO loss with
-  # advantage 1 (= the supervised loss's gradient), so a model that cannot yet produce the
-  # answer's form gets a start; 0: none.
+  # Supervised warm-up: the first warmup_steps steps train on each record's warmup_column (with
+  # EOS) instead of sampled completions, as the GRPO loss with advantage 1; 0: none.
   c.grpo.warmup_steps = 0
   c.grpo.warmup_column = "answer"
   # Each eval writes greedy completions of this many eval prompts to WORKDIR/completions.jsonl.
   c.grpo.sample_prompts = 4
-  # An MoE policy: the rollouts record every token's experts in every layer, and the trainer's
-  # forward passes over those rows use them instead of choosing again (routing replay), so a
-  # router that would choose differently in training (other numerics, other batch) cannot make
-  # the trained log-probs differ from the sampled ones. GRPO and PPO.
+  # An MoE policy (GRPO, PPO): the rollouts record every token's experts in every layer, and the
+  # trainer's passes over those rows replay them instead of routing again (routing replay).
   c.grpo.replay_routing = False
 
   # Proximal policy optimization (jaxtrain.objectives.ppo.loss, docs/finetuning.md): one completion
@@ -335,19 +324,14 @@ def default_config() -> ml_collections.ConfigDict:
   c.lora.quantize_base = "none"
   c.lora.quant_group_size = 64  # input-dim elements sharing one scale (int4/nf4/int8)
 
-  c.optim = ml_collections.ConfigDict()
+  c.optim = ml_collections.ConfigDict()  # docs/optimizers.md
   c.optim.name = "adamw"  # or "muon": Muon for the projection matrices (jaxtrain/train/muon.py)
   c.optim.muon = ml_collections.ConfigDict()
   c.optim.muon.ns_steps = 5  # quintic Newton-Schulz iterations
   c.optim.muon.momentum = 0.95
   c.optim.muon.nesterov = True
-  # The update's scale: "match_rms_adamw" 0.2*sqrt(max(in, out)) (Moonlight: AdamW's learning
-  # rate and weight decay carry over), or "original" sqrt(max(1, out/in)).
-  c.optim.muon.adjust_lr = "match_rms_adamw"
-  # QK-clip (MuonClip, Kimi K2): after each update, every attention head whose largest logit in
-  # the step passed this threshold has its query and key weights scaled to bring it back to the
-  # threshold (jaxtrain/train/qk_clip.py). 0: off; Kimi K2 used 100.
-  c.optim.muon.qk_clip_threshold = 0.0
+  c.optim.muon.adjust_lr = "match_rms_adamw"  # 0.2*sqrt(max(in, out)), or "original"
+  c.optim.muon.qk_clip_threshold = 0.0  # QK-clip (train/qk_clip.py); 0: off, Kimi K2 used 100
   c.optim.learning_rate = 3e-4
   c.optim.warmup_steps = 100
   c.optim.decay_steps = config_dict.placeholder(int)  # None: train.steps
@@ -357,14 +341,13 @@ def default_config() -> ml_collections.ConfigDict:
   c.optim.eps = 1e-8
   c.optim.weight_decay = 0.1
   c.optim.grad_clip_norm = 1.0
-  # dtype of the Adam moments (mu, nu); they are updated in float32 and stored in this dtype.
+  # dtype of the Adam moments (mu, nu) and Muon's momentum; updated in float32, stored in this.
   c.optim.state_dtype = "float32"
   # Keep the optimizer state in pinned host memory between steps (it comes to the device for
   # the update): frees 2x the param bytes (float32 moments) of device memory per device.
   c.optim.offload_state = False
-  # Report the step's largest pre-softmax attention logit (over layers, heads and the batch) as
-  # attn_max_logit in metrics.jsonl and TensorBoard; on by itself with QK-clip. It costs one more
-  # Q.K^T per layer in the forward pass (jaxtrain/ops/max_logit.py).
+  # The step's largest attention logit as attn_max_logit (metrics.jsonl, TensorBoard); on by
+  # itself with QK-clip; one more Q.K^T per layer in the forward pass (ops/max_logit.py).
   c.optim.log_max_logit = False
 
   c.data = ml_collections.ConfigDict()
