@@ -69,7 +69,8 @@ def options(config, devices, base: aot.Measurement, table: Memories,
 
   if o.state_dtype == "float32" and not o.offload_state:
     found.append(Option({"optim.state_dtype": "bfloat16"}, "optim.state_dtype=bfloat16",
-                        f"Adam moments in bfloat16: -{format_bytes(moments / 2)}",
+                        f"{'optimizer state' if o.name == 'muon' else 'Adam moments'} in "
+                        f"bfloat16: -{format_bytes(moments / 2)}",
                         base.total - moments / 2, "exact"))
 
   microbatch = _microbatch(config, base)

@@ -268,15 +268,16 @@ def batch_bytes(batch) -> int:
   return sum(_shard_bytes(x, x.sharding) for x in batch.values())
 
 
-def adamw_state_bytes(config, setup) -> int:
+def adamw_state_bytes(config, abstract_params) -> int:
   """Per-device bytes of the optimizer state the same run would keep under optim.name=adamw
-  (for a Muon run's comparison), exact from the shardings."""
+  (for a Muon run's comparison), exact from the trained params' shardings."""
   adamw = config.copy_and_resolve_references()
   adamw.optim.name = "adamw"
   tx = optim.make_optimizer(adamw)
-  param_shardings = jax.tree.map(lambda a: a.sharding, setup.abstract_params)
-  abstract = jax.eval_shape(tx.init, setup.abstract_params)
-  shardings = opt_state_shardings(tx, setup.abstract_params, param_shardings, setup.mesh)
+  param_shardings = jax.tree.map(lambda a: a.sharding, abstract_params)
+  mesh = jax.tree.leaves(param_shardings)[0].mesh
+  abstract = jax.eval_shape(tx.init, abstract_params)
+  shardings = opt_state_shardings(tx, abstract_params, param_shardings, mesh)
   return sum(_shard_bytes(a, s) for a, s in zip(jax.tree.leaves(abstract),
                                                  jax.tree.leaves(shardings)))
 
@@ -340,7 +341,7 @@ def _compile_and_measure(config, devices, platform: str | None = None,
       frozen=exact.frozen, resident=setup.objective.resident_bytes(config, setup.mesh),
       act_host=act_host, offload_note=offload_note,
       breakdown=found if with_breakdown else None, reported_temp=reported_temp, hlo=hlo,
-      adamw_opt=adamw_state_bytes(config, setup) if config.optim.name == "muon" else 0)
+      adamw_opt=adamw_state_bytes(config, state.params) if config.optim.name == "muon" else 0)
 
 
 def _refused(config, devices, platform, e: CompilerOutOfMemory, compile_s: float) -> Measurement:
@@ -360,7 +361,8 @@ def _refused(config, devices, platform, e: CompilerOutOfMemory, compile_s: float
       compile_s=compile_s, param_shards=shards,
       attention_note=f"{attention_note}; the compiler refused the program: {e}",
       frozen=exact.frozen, resident=objectives.get(config).resident_bytes(
-          config, jax.tree.leaves(e.state.params)[0].sharding.mesh))
+          config, jax.tree.leaves(e.state.params)[0].sharding.mesh),
+      adamw_opt=adamw_state_bytes(config, e.state.params) if config.optim.name == "muon" else 0)
 
 
 def analytic_tokens_per_step(config) -> int:
