@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxtrain.config import ConfigError, default_config
+from jaxtrain.config import MUON_ADJUST_LR, ConfigError, default_config
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.models.sharding import abstract_model
 from jaxtrain.train import muon
@@ -54,7 +54,7 @@ def _config(adjust="match_rms_adamw"):
   return c
 
 
-@pytest.mark.parametrize("adjust", muon.ADJUST_LR)
+@pytest.mark.parametrize("adjust", MUON_ADJUST_LR)
 def test_update_equals_a_float64_reference_for_each_matrix_of_every_stacking(adjust):
   rng = np.random.default_rng(0)
   shapes = {"w_up_DF": (24, 40),            # a plain matrix [D, F]

@@ -25,7 +25,7 @@ from jaxtrain.checkpointing.run_directory import RunDirectory
 from jaxtrain.checkpointing.weights import load_params
 from jaxtrain.data import shards as data_shards
 from jaxtrain.data.sources import DataError
-from jaxtrain.models import moe, mtp, sharding
+from jaxtrain.models import moe, mtp
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.objectives import Objective
 from jaxtrain.objectives.feeders import evaluate, to_global_batch  # re-exported for the loop's callers
@@ -43,11 +43,11 @@ from jaxtrain.train.setup import Setup, build
 from jaxtrain.train.step import MAX_METRICS, TrainState
 
 
-def _optimizer_row(config, model_cfg: ModelConfig, mesh: Mesh) -> str:
+def _optimizer_row(config, abstract_params) -> str:
+  """The run table's optimizer row; `abstract_params`: the trained params (setup's)."""
   o = config.optim
   if o.name != "muon":
     return f"AdamW (b1 {o.b1:g}, b2 {o.b2:g}, weight decay {o.weight_decay:g})"
-  _, abstract_params, _ = sharding.abstract_model(model_cfg, mesh)
   ns_flops = muon.step_flops(abstract_params, o.muon.ns_steps)
   return (f"Muon ({o.muon.ns_steps} Newton-Schulz steps, momentum {o.muon.momentum:g}, "
           f"{o.muon.adjust_lr}) for the projection matrices, AdamW for the rest: "
@@ -57,7 +57,8 @@ def _optimizer_row(config, model_cfg: ModelConfig, mesh: Mesh) -> str:
 
 def _start_rows(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConfig,
                 peak: float | None, peak_source: str, packing: float | None,
-                data_rows: list[tuple[str, str]], objective: Objective) -> list[tuple[str, str]]:
+                data_rows: list[tuple[str, str]], objective: Objective,
+                abstract_params) -> list[tuple[str, str]]:
   """The run table's (name, value) rows: printed at the start, and the W&B run's config."""
   t = config.train
   flops_per_token = objective.flops_per_token(config, model_cfg)
@@ -113,7 +114,7 @@ def _start_rows(config, mesh: Mesh, mesh_shape: MeshShape, model_cfg: ModelConfi
                           f"{objective.flops_note()})"),
       ("peak FLOP/s", f"{metrics_lib.format_count(peak) if peak else 'n/a'} total; "
                       f"{peak_source}"),
-      ("optimizer", _optimizer_row(config, model_cfg, mesh)),
+      ("optimizer", _optimizer_row(config, abstract_params)),
       ("dtypes", f"params {model_cfg.runtime.param_dtype}, compute {model_cfg.runtime.dtype}"),
       ("layers", f"{'scan' if model_cfg.runtime.scan_layers else 'unrolled'}, remat "
                  f"{model_cfg.runtime.remat_policy}, attention {model_cfg.runtime.attention_impl}"),
@@ -169,7 +170,7 @@ def run(config, workdir: str, mesh_shape: MeshShape, config_path: str = "") -> d
   writer = None
   if is_chief:
     rows = _start_rows(config, mesh, mesh_shape, setup.model_cfg, peak, peak_source, packing,
-                       data_source.summary(config), objective)
+                       data_source.summary(config), objective, setup.abstract_params)
     print(metrics_lib.format_table(rows), flush=True)
     if start_step:
       print(f"resumed from step {start_step}: {ckpt.directory}/{start_step}", flush=True)

@@ -44,7 +44,6 @@ import optax
 from jaxtrain.config import MUON_ADJUST_LR
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic Newton-Schulz of Keller Jordan's Muon
-ADJUST_LR = MUON_ADJUST_LR
 # Leaves that keep AdamW although their names end in shape letters: the token embedding, the
 # output head (Muon's authors keep both on AdamW) and the MoE router.
 _ADAMW_PREFIXES = ("embed", "head", "router")
@@ -157,8 +156,11 @@ def newton_schulz(u_NAB: jax.Array, steps: int, matmul_dtype: Any = jnp.float32,
 
 
 def update_scale(rows: int, cols: int, adjust_lr: str) -> float:
-  if adjust_lr == "match_rms_adamw":
+  """The orthogonalized update's factor for a rows x cols matrix, by optim.muon.adjust_lr."""
+  match_rms, original = MUON_ADJUST_LR
+  if adjust_lr == match_rms:
     return 0.2 * math.sqrt(max(rows, cols))
+  assert adjust_lr == original, adjust_lr
   return math.sqrt(max(1.0, cols / rows))
 
 
