@@ -3,6 +3,7 @@
 A target is a chip and a count, named as its vendor sells it:
 
   h100x8, h200x64, a100x16, l4x1, b200x8     NVIDIA GPUs (xN: N GPUs; 8 per host above 8)
+  rtx4090x1, rtx5090x2, a6000x4, rtxpro6000x8  workstation cards on PCIe (1-8 in one host)
   v4-8, v5p-128                              Cloud TPU, N = TensorCores (2 per chip)
   v5e-4, v6e-256                             Cloud TPU, N = chips
   cpu                                        this host's CPU devices (the tiny configs)
@@ -53,6 +54,52 @@ class GpuSpec:
   clock_ghz: float
 
 
+# One lane's usable bytes/s per direction by PCIe generation (8/16/32/64 GT/s; 128b/130b
+# encoding from 3.0 on, 6.0's FLIT mode counted at its raw rate).
+_PCIE_LANE_BYTES = {3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.877e9}
+
+
+@dataclasses.dataclass(frozen=True)
+class Interconnect:
+  """What a device's collectives travel over inside its host (GPUs) or slice (TPUs), and its
+  link to the host. Datasheets quote bidirectional totals; `bytes_per_s` is one direction per
+  device (half of it), what a ring all-reduce or all-gather moves a device's bytes at."""
+  kind: str  # "nvlink" | "pcie" | "ici"
+  bytes_per_s: float  # one direction, over `kind`: per GPU; per chip on TPUs (v7x's 2 share it)
+  pcie_gen: int = 0  # the device's host link (GPUs; 0 on TPUs, whose host link jaxtrain ignores)
+  pcie_lanes: int = 0
+  # Workstation cards an NVLink bridge can pair (RTX A6000): one direction per card, between the
+  # two cards of a pair only; collectives over more devices still cross PCIe.
+  bridge_bytes_per_s: float = 0.0
+
+  @property
+  def nvlink(self) -> bool:
+    return self.kind == "nvlink"
+
+  @property
+  def pcie_bytes_per_s(self) -> float:
+    """One direction of the host link (0 on TPUs)."""
+    return _PCIE_LANE_BYTES.get(self.pcie_gen, 0.0) * self.pcie_lanes
+
+  def describe(self) -> str:
+    """"NVLink, 450 GB/s per direction per device (host: PCIe 5.0 x16)", "PCIe 4.0 x16, 31.5
+    GB/s per direction, no NVLink", "ICI, 600 GB/s per direction per chip"."""
+    if self.kind == "ici":
+      return f"ICI, {self.bytes_per_s / 1e9:.0f} GB/s per direction per chip"
+    host = f"PCIe {self.pcie_gen}.0 x{self.pcie_lanes}"
+    if self.kind == "nvlink":
+      return f"NVLink, {self.bytes_per_s / 1e9:.0f} GB/s per direction per GPU (host: {host})"
+    bridge = (f"; an NVLink bridge pairs two cards at {self.bridge_bytes_per_s / 1e9:.2f} GB/s "
+              f"per direction" if self.bridge_bytes_per_s else "")
+    return f"{host}, {self.bytes_per_s / 1e9:.1f} GB/s per direction, no NVLink switch{bridge}"
+
+
+def _pcie(gen: int, lanes: int = 16, bridge_bytes_per_s: float = 0.0) -> Interconnect:
+  """GPUs without NVLink: collectives cross the host's PCIe (peer to peer where the platform
+  allows, through host memory where not: the link's rate is the best case)."""
+  return Interconnect("pcie", _PCIE_LANE_BYTES[gen] * lanes, gen, lanes, bridge_bytes_per_s)
+
+
 @dataclasses.dataclass(frozen=True)
 class Chip:
   key: str  # target-name prefix: "h100", "v5p", ...
@@ -73,6 +120,7 @@ class Chip:
   # JAX devices per chip: 1 (a GPU; a megacore TPU chip), 2 on v7x (each TensorCore a device).
   devices_per_chip: int = 1
   mxfp8: bool = False  # block-scaled FP8 matmuls (OCP microscaling): Blackwell
+  interconnect: Interconnect | None = None  # None only for chips known for MFU alone
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -80,37 +128,88 @@ def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 
 
 _GPU_COUNTS = (1, 2, 4) + tuple(range(8, 16385, 8))
+_WORKSTATION_COUNTS = (1, 2, 4, 8)  # cards in one box
+# NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional per GPU; host link PCIe 5.0 x16 (datasheets).
+_NVLINK4 = Interconnect("nvlink", 450e9, 5, 16)
 
 CHIPS: tuple[Chip, ...] = (
     Chip("h100", "NVIDIA H100 80GB (SXM)", "gpu", 84_929_347_584, 989e12, r"h100(?!.*pcie)",
          GpuSpec((9, 0), 132, 233_472, 232_448, 2048, 128, 50 * 2 ** 20, 3.35e12, 1.98),
-         "NVIDIA H100 80GB HBM3", counts=_GPU_COUNTS, peak_fp8_flops=1979e12),
+         "NVIDIA H100 80GB HBM3", counts=_GPU_COUNTS, peak_fp8_flops=1979e12,
+         interconnect=_NVLINK4),
     Chip("h200", "NVIDIA H200 141GB", "gpu", 150_754_820_096, 989e12, r"h200",
          GpuSpec((9, 0), 132, 233_472, 232_448, 2048, 128, 50 * 2 ** 20, 4.8e12, 1.98),
-         "NVIDIA H200", counts=_GPU_COUNTS, peak_fp8_flops=1979e12),
+         "NVIDIA H200", counts=_GPU_COUNTS, peak_fp8_flops=1979e12, interconnect=_NVLINK4),
     Chip("b200", "NVIDIA B200 180GB", "gpu", 192_265_846_784, 2250e12, r"b200",
          GpuSpec((10, 0), 148, 233_472, 232_448, 2048, 128, 126 * 2 ** 20, 8.0e12, 1.965),
-         "NVIDIA B200", counts=_GPU_COUNTS, peak_fp8_flops=4500e12, mxfp8=True),
+         "NVIDIA B200", counts=_GPU_COUNTS, peak_fp8_flops=4500e12, mxfp8=True,
+         # NVLink 5: 1.8 TB/s bidirectional per GPU; host link PCIe 6.0 x16 (B200 datasheet).
+         interconnect=Interconnect("nvlink", 900e9, 6, 16)),
     Chip("a100", "NVIDIA A100 80GB", "gpu", 85_051_572_224, 312e12, r"a100",
          GpuSpec((8, 0), 108, 167_936, 166_912, 2048, 64, 40 * 2 ** 20, 2.039e12, 1.41),
-         "NVIDIA A100-SXM4-80GB", counts=_GPU_COUNTS),
+         "NVIDIA A100-SXM4-80GB", counts=_GPU_COUNTS,
+         # NVLink 3: 600 GB/s bidirectional per GPU; PCIe 4.0 x16 (A100 datasheet).
+         interconnect=Interconnect("nvlink", 300e9, 4, 16)),
     Chip("l4", "NVIDIA L4 24GB", "gpu", 24_152_899_584, 121e12, r"\bl4\b",
          GpuSpec((8, 9), 58, 102_400, 101_376, 1536, 128, 48 * 2 ** 20, 0.3e12, 2.04),
-         "NVIDIA L4", counts=_GPU_COUNTS, peak_fp8_flops=242.5e12),
+         "NVIDIA L4", counts=_GPU_COUNTS, peak_fp8_flops=242.5e12,
+         interconnect=_pcie(4)),  # PCIe 4.0 x16, no NVLink (L4 datasheet)
+    # The workstation cards (1-8 per host on PCIe). Memory as CUDA reports the card's total;
+    # bf16 peaks are the tensor rate with float32 accumulation, dense (what a bf16 matmul
+    # with an f32 result runs at: GeForce cards run it at half their fp16-accumulate rate).
+    # RTX 4090, Ada AD102 (NVIDIA Ada Lovelace architecture whitepaper, appendix table):
+    # 128 SMs, 2.52 GHz boost, 72 MB L2, 1008 GB/s GDDR6X, 165.2 dense BF16 / 330.3 dense FP8
+    # TFLOPS with FP32 accumulate; PCIe 4.0 x16, no NVLink.
+    Chip("rtx4090", "NVIDIA GeForce RTX 4090 24GB", "gpu", int(23.65 * GIB), 165.2e12,
+         r"rtx\s*4090",
+         GpuSpec((8, 9), 128, 102_400, 101_376, 1536, 128, 72 * 2 ** 20, 1.008e12, 2.52),
+         "NVIDIA GeForce RTX 4090", counts=_WORKSTATION_COUNTS, peak_fp8_flops=330.3e12,
+         interconnect=_pcie(4)),
+    # RTX 5090, Blackwell GB202 (NVIDIA RTX Blackwell GPU architecture whitepaper): 170 SMs,
+    # 2.41 GHz boost, 96 MB L2, 1792 GB/s GDDR7, 209.5 dense BF16 / 419 dense FP8 TFLOPS with
+    # FP32 accumulate; PCIe 5.0 x16, no NVLink. sm_120's block-scaled MMA is not one XLA
+    # emits for this compute capability, so no mxfp8 here.
+    Chip("rtx5090", "NVIDIA GeForce RTX 5090 32GB", "gpu", int(31.37 * GIB), 209.5e12,
+         r"rtx\s*5090",
+         GpuSpec((12, 0), 170, 102_400, 101_376, 1536, 128, 96 * 2 ** 20, 1.792e12, 2.41),
+         "NVIDIA GeForce RTX 5090", counts=_WORKSTATION_COUNTS, peak_fp8_flops=419e12,
+         interconnect=_pcie(5)),
+    # RTX A6000, Ampere GA102 (NVIDIA RTX A6000 datasheet): 84 SMs, 1.80 GHz boost, 6 MB L2,
+    # 768 GB/s GDDR6, 309.7 sparse = 154.8 dense BF16 TFLOPS (professional cards accumulate
+    # in FP32 at full rate), no FP8; PCIe 4.0 x16; a 2-way NVLink bridge, 112.5 GB/s
+    # bidirectional.
+    Chip("a6000", "NVIDIA RTX A6000 48GB", "gpu", int(47.54 * GIB), 154.8e12, r"rtx\s*a6000",
+         GpuSpec((8, 6), 84, 102_400, 101_376, 1536, 128, 6 * 2 ** 20, 0.768e12, 1.80),
+         "NVIDIA RTX A6000", counts=_WORKSTATION_COUNTS,
+         interconnect=_pcie(4, bridge_bytes_per_s=56.25e9)),
+    # RTX PRO 6000 Blackwell (Workstation / Max-Q / Server Edition; NVIDIA RTX PRO 6000
+    # Blackwell datasheet): 188 SMs, 2.617 GHz boost, 128 MB L2, 1792 GB/s GDDR7, 96 GB;
+    # "4000 AI TOPS" is FP4 with sparsity: dense FP4 2000, FP8 1000, BF16 500 TFLOPS (full-rate
+    # FP32 accumulate); PCIe 5.0 x16, no NVLink.
+    Chip("rtxpro6000", "NVIDIA RTX PRO 6000 Blackwell 96GB", "gpu", int(94.97 * GIB), 500e12,
+         r"rtx\s*pro\s*6000",
+         GpuSpec((12, 0), 188, 102_400, 101_376, 1536, 128, 128 * 2 ** 20, 1.792e12, 2.617),
+         "NVIDIA RTX PRO 6000 Blackwell Workstation Edition", counts=_WORKSTATION_COUNTS,
+         peak_fp8_flops=1000e12, interconnect=_pcie(5)),
     # JAX reports v5e as "TPU v5 lite", v6e as "TPU v6 lite", v5p as "TPU v5p" or "TPU v5".
     Chip("v4", "TPU v4", "tpu", int(30.75 * GIB), 275e12, r"tpu\s*v4(?!\s*lite|i)", cores_per_chip=2,
-         torus_dims=3, counts=_powers_of_two(8, 4096)),
+         torus_dims=3, counts=_powers_of_two(8, 4096),
+         interconnect=Interconnect("ici", 300e9)),  # half of v5p's (Cloud TPU: v5p doubles it)
     Chip("v5p", "TPU v5p", "tpu", int(95.74 * GIB), 459e12, r"tpu\s*v5(p\b|$)", cores_per_chip=2,
-         torus_dims=3, counts=_powers_of_two(8, 8192)),
+         torus_dims=3, counts=_powers_of_two(8, 8192),
+         interconnect=Interconnect("ici", 600e9)),  # 1200 GB/s bidirectional (Cloud TPU docs)
     Chip("v5e", "TPU v5e", "tpu", int(15.75 * GIB), 197e12, r"tpu\s*v5\s*(lite|e\b)", torus_dims=2,
-         counts=(1,) + _powers_of_two(4, 256)),
+         counts=(1,) + _powers_of_two(4, 256),
+         interconnect=Interconnect("ici", 200e9)),  # 400 GB/s bidirectional (Cloud TPU docs)
     Chip("v6e", "TPU v6e", "tpu", int(31.25 * GIB), 918e12, r"tpu\s*v6\s*(lite|e\b)", torus_dims=2,
-         counts=(1,) + _powers_of_two(4, 256)),
+         counts=(1,) + _powers_of_two(4, 256),
+         interconnect=Interconnect("ici", 400e9)),  # 800 GB/s bidirectional (Cloud TPU docs)
     # Ironwood: two TensorCores per chip, each its own JAX device with half the chip's 192 GB
     # (libtpu reports 94.75 GiB available) and half its peaks (2307 TFLOP/s bf16, 4614 fp8).
     Chip("tpu7x", "TPU v7x", "tpu", int(94.75 * GIB), 1153.5e12, r"tpu\s*7x", cores_per_chip=2,
          torus_dims=3, counts=_powers_of_two(8, 16384), peak_fp8_flops=2307e12,
-         devices_per_chip=2),
+         devices_per_chip=2,
+         interconnect=Interconnect("ici", 600e9)),  # 1.2 TB/s bidirectional, 1.5x v6e's
 )
 # Known for MFU only (no target name): datasheet peaks (bf16, fp8) of chips a run may land on.
 OTHER_PEAKS: tuple[tuple[str, str, float, float], ...] = (
@@ -169,7 +268,8 @@ def valid_names() -> str:
   """One line of the target names `parse` takes."""
   gpus = ", ".join(f"{c.key}xN" for c in CHIPS if c.compiler == "gpu")
   tpus = ", ".join(f"{c.key}-N" for c in CHIPS if c.compiler == "tpu")
-  return (f"{gpus} (N = 1, 2, 4 or a multiple of 8); {tpus} (N as Cloud TPU counts: cores for "
+  return (f"{gpus} (N = 1, 2, 4 or a multiple of 8; the workstation cards rtx*, a6000: 1, 2, 4, "
+          f"8); {tpus} (N as Cloud TPU counts: cores for "
           f"v4/v5p/tpu7x, chips for v5e/v6e, e.g. v5p-8, v5e-4, tpu7x-8); cpu")
 
 

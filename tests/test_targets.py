@@ -71,7 +71,10 @@ def test_bad_target_names_are_refused_in_one_line(name):
 
 
 @pytest.mark.parametrize("name,kind", [
-    ("h100x8", "NVIDIA H100 80GB HBM3"), ("v5p-8", "TPU v5"), ("v5e-1", "TPU v5 lite")])
+    ("h100x8", "NVIDIA H100 80GB HBM3"), ("v5p-8", "TPU v5"), ("v5e-1", "TPU v5 lite"),
+    ("rtx4090x1", "NVIDIA GeForce RTX 4090"), ("rtx5090x2", "NVIDIA GeForce RTX 5090"),
+    ("a6000x4", "NVIDIA RTX A6000"),
+    ("rtxpro6000x8", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition")])
 def test_deviceless_devices(name, kind):
   target = targets.parse(name)
   missing = targets.compiler_missing(target)
@@ -96,7 +99,47 @@ def test_chip_for_device_kind(kind, peak):
 
 def test_chip_for_unknown_device_kind():
   assert targets.chip_for_device_kind("cpu") is None
-  assert targets.chip_for_device_kind("NVIDIA GeForce RTX 4090") is None
+  assert targets.chip_for_device_kind("NVIDIA RTX 6000 Ada Generation") is None
+
+
+def test_every_chip_says_what_its_collectives_travel_over():
+  """NVLink on the SXM GPUs, the host's PCIe on the cards without it (one direction of a x16
+  link: 31.5 GB/s for 4.0, 63 for 5.0), ICI on the TPUs; the A6000's 2-way bridge beside PCIe."""
+  for chip in targets.CHIPS:
+    link = chip.interconnect
+    assert link.kind == {"tpu": "ici"}.get(chip.compiler, link.kind) and link.bytes_per_s > 0
+    assert (link.pcie_lanes > 0) == (chip.compiler == "gpu"), chip.key
+  by_key = {c.key: c.interconnect for c in targets.CHIPS}
+  assert [k for k, link in by_key.items() if link.nvlink] == ["h100", "h200", "b200", "a100"]
+  assert by_key["h100"].bytes_per_s == 450e9  # 900 GB/s bidirectional
+  for key, gen, rate in (("l4", 4, 31.5), ("rtx4090", 4, 31.5), ("a6000", 4, 31.5),
+                         ("rtx5090", 5, 63.0), ("rtxpro6000", 5, 63.0)):
+    link = by_key[key]
+    assert (link.kind, link.pcie_gen, link.pcie_lanes) == ("pcie", gen, 16), key
+    assert round(link.bytes_per_s / 1e9, 1) == round(link.pcie_bytes_per_s / 1e9, 1) == rate
+    assert link.describe().startswith(f"PCIe {gen}.0 x16, {rate} GB/s per direction, no NVLink")
+  assert by_key["a6000"].bridge_bytes_per_s == 56.25e9  # 112.5 GB/s bidirectional, pairs only
+  assert "NVLink bridge pairs two cards" in by_key["a6000"].describe()
+  assert by_key["v5p"].describe() == "ICI, 600 GB/s per direction per chip"
+
+
+@pytest.mark.parametrize("name,memory_gib,peak,compute_capability", [
+    ("rtx4090x1", 23.65, 165.2e12, (8, 9)), ("rtx5090x2", 31.37, 209.5e12, (12, 0)),
+    ("a6000x4", 47.54, 154.8e12, (8, 6)), ("rtxpro6000x8", 94.97, 500e12, (12, 0))])
+def test_workstation_cards(name, memory_gib, peak, compute_capability):
+  """The research box's cards: 1 to 8 in one host, each compiled for its own compute
+  capability; FP8 on Ada and Blackwell, none on Ampere."""
+  target = targets.parse(name)
+  chip = target.chip
+  assert (chip.compiler, chip.gpu.compute_capability, chip.peak_bf16_flops) == (
+      "gpu", compute_capability, peak)
+  assert abs(target.memory_bytes / targets.GIB - memory_gib) < 0.01
+  assert chip.counts == (1, 2, 4, 8) and targets.gpu_topology(target).startswith("1x1x")
+  assert (chip.peak_fp8_flops > 0) == (chip.key != "a6000")
+  assert f"cuda_compute_capability {{ major: {compute_capability[0]} " in (
+      targets.gpu_target_config(chip))
+  with pytest.raises(targets.TargetError, match=r"comes in counts 1, 2, 4, 8; e\.g\."):
+    targets.parse(f"{chip.key}x16")
 
 
 @pytest.mark.parametrize("name,shape", [
@@ -146,6 +189,8 @@ KERNEL_TARGETS = {
     "h100x8": ("pallas", "__gpu$xla.gpu.triton", GEMMA3),  # our Pallas kernels, lowered to Triton
     "v5p-8": ("pallas", "tpu_custom_call", GEMMA3),  # our Pallas kernels, lowered to Mosaic
     "h100x1": ("cudnn", "__cudnn$fmha", {}),  # XLA's cuDNN fused attention
+    # The newest compute capability in the table (consumer Blackwell, sm_120): our kernels too.
+    "rtx5090x1": ("pallas", "__gpu$xla.gpu.triton", {}),
 }
 
 
