@@ -189,8 +189,9 @@ KERNEL_TARGETS = {
     "h100x8": ("pallas", "__gpu$xla.gpu.triton", GEMMA3),  # our Pallas kernels, lowered to Triton
     "v5p-8": ("pallas", "tpu_custom_call", GEMMA3),  # our Pallas kernels, lowered to Mosaic
     "h100x1": ("cudnn", "__cudnn$fmha", {}),  # XLA's cuDNN fused attention
-    # The newest compute capability in the table (consumer Blackwell, sm_120): our kernels too.
-    "rtx5090x1": ("pallas", "__gpu$xla.gpu.triton", {}),
+    # The newest compute capability in the table (Blackwell workstation, sm_120): our kernels
+    # too. (The RTX PRO 6000 rather than the RTX 5090: jax 0.12's Pallas GPU lowering knows it.)
+    "rtxpro6000x1": ("pallas", "__gpu$xla.gpu.triton", {}),
 }
 
 
