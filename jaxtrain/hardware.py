@@ -82,8 +82,8 @@ class Interconnect:
     return _PCIE_LANE_BYTES.get(self.pcie_gen, 0.0) * self.pcie_lanes
 
   def describe(self) -> str:
-    """"NVLink, 450 GB/s per direction per device (host: PCIe 5.0 x16)", "PCIe 4.0 x16, 31.5
-    GB/s per direction, no NVLink", "ICI, 600 GB/s per direction per chip"."""
+    """"NVLink, 450 GB/s per direction per GPU (host: PCIe 5.0 x16)", "PCIe 4.0 x16, 31.5 GB/s
+    per direction, no NVLink switch", "ICI, 600 GB/s per direction per chip"."""
     if self.kind == "ici":
       return f"ICI, {self.bytes_per_s / 1e9:.0f} GB/s per direction per chip"
     host = f"PCIe {self.pcie_gen}.0 x{self.pcie_lanes}"
@@ -120,7 +120,7 @@ class Chip:
   # JAX devices per chip: 1 (a GPU; a megacore TPU chip), 2 on v7x (each TensorCore a device).
   devices_per_chip: int = 1
   mxfp8: bool = False  # block-scaled FP8 matmuls (OCP microscaling): Blackwell
-  interconnect: Interconnect | None = None  # None only for chips known for MFU alone
+  interconnect: Interconnect | None = None  # every row of CHIPS has one (a default for order)
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -268,9 +268,10 @@ def valid_names() -> str:
   """One line of the target names `parse` takes."""
   gpus = ", ".join(f"{c.key}xN" for c in CHIPS if c.compiler == "gpu")
   tpus = ", ".join(f"{c.key}-N" for c in CHIPS if c.compiler == "tpu")
-  return (f"{gpus} (N = 1, 2, 4 or a multiple of 8; the workstation cards rtx*, a6000: 1, 2, 4, "
-          f"8); {tpus} (N as Cloud TPU counts: cores for "
-          f"v4/v5p/tpu7x, chips for v5e/v6e, e.g. v5p-8, v5e-4, tpu7x-8); cpu")
+  cards = ", ".join(c.key for c in CHIPS if c.counts == _WORKSTATION_COUNTS)
+  return (f"{gpus} (N = 1, 2, 4 or a multiple of 8; {cards}: 1, 2, 4, 8); {tpus} (N as Cloud "
+          f"TPU counts: cores for v4/v5p/tpu7x, chips for v5e/v6e, e.g. v5p-8, v5e-4, tpu7x-8); "
+          f"cpu")
 
 
 def parse(name: str) -> Target:

@@ -228,10 +228,6 @@ def _peak_lines(m: aot.Measurement) -> list[str]:
   return lines
 
 
-# What the optimizer state is, for the dtypes row and the suggestions (optim.name).
-_STATE_NAMES = {"adamw": "Adam moments", "muon": "Muon momentum and Adam moments"}
-
-
 def _compiler_name(m: aot.Measurement) -> str:
   return {"gpu": "XLA's GPU compiler", "tpu": "libtpu's TPU compiler", "cpu": "XLA:CPU"}[m.backend]
 
@@ -265,8 +261,9 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
       *([("pipeline", pipeline.describe(stages, cfg.arch.num_layers, micro, config.pipeline.repeats,
                                         t.global_batch_size / shards))] if stages > 1 else []),
       ("dtypes", f"params {cfg.runtime.param_dtype}, compute {cfg.runtime.dtype}, "
-                 f"{_STATE_NAMES[o.name]} {o.state_dtype} in {'pinned host' if o.offload_state else 'device'} "
-                 f"memory" + (f" ({m.offload_note})" if m.offload_note else "")),
+                 f"{suggestions.STATE_NAMES[o.name]} {o.state_dtype} in "
+                 f"{'pinned host' if o.offload_state else 'device'} memory"
+                 + (f" ({m.offload_note})" if m.offload_note else "")),
       ("remat", cfg.runtime.remat_policy + (f" ({m.remat_note})" if m.remat_note else "")),
       *([("matmuls", _matmul_row(cfg.runtime.matmul_precision, m.hlo))]
         if cfg.runtime.matmul_precision != "none" else []),

@@ -27,6 +27,9 @@ import dataclasses
 from jaxtrain.hardware import Target, TargetError, format_bytes, verdict
 from jaxtrain.train import measure as aot
 
+# What the optimizer state is (optim.name), for the run table's dtypes row and the suggestions.
+STATE_NAMES = {"adamw": "Adam moments", "muon": "Muon momentum and Adam moments"}
+
 # name -> device memory in bytes: what the verdicts are for (the target, or every known chip).
 Memories = dict[str, float]
 
@@ -69,8 +72,7 @@ def options(config, devices, base: aot.Measurement, table: Memories,
 
   if o.state_dtype == "float32" and not o.offload_state:
     found.append(Option({"optim.state_dtype": "bfloat16"}, "optim.state_dtype=bfloat16",
-                        f"{'optimizer state' if o.name == 'muon' else 'Adam moments'} in "
-                        f"bfloat16: -{format_bytes(moments / 2)}",
+                        f"{STATE_NAMES[o.name]} in bfloat16: -{format_bytes(moments / 2)}",
                         base.total - moments / 2, "exact"))
 
   microbatch = _microbatch(config, base)
