@@ -73,3 +73,15 @@ def deviceless_block_scaled_gemm() -> bool:
   (`--xla_gpu_cudnn_deviceless_compilation_mode` cannot lift that), and falls back to
   dequantizing the e4m3 operands and their e8m0 scales into a bf16 dot."""
   return jax_version() < (0, 12, 0)
+
+
+def pallas_gpu_lowering_knows(device_kind: str) -> bool:
+  """Whether Pallas's Triton lowering can compile our kernels for a GPU called `device_kind`
+  without the card: jax 0.12 looks the name up in its table of cards
+  (`jax._src.pallas.triton.gpu_info.GpuVersion`) and, for a name outside it, asks the concrete
+  device, which a deviceless compile does not have; jax 0.10 lowers without asking."""
+  if jax_version() < (0, 12, 0):
+    return True
+  # pylint: disable-next=import-outside-toplevel  (a private module, on jax 0.12 only)
+  from jax._src.pallas.triton import gpu_info
+  return gpu_info.gpu_version_from_device_kind(device_kind) is not None

@@ -16,6 +16,7 @@ import re
 import jax
 import pytest
 
+from jaxtrain import compat
 from jaxtrain import hardware as targets
 from jaxtrain.config import ConfigError, load_config_file
 from jaxtrain.dryrun import command
@@ -312,6 +313,55 @@ def test_offloaded_optimizer_state_on_a_deviceless_gpu_target_is_counted_in_host
   assert offload.total == plain.total - plain.opt_device
   assert "cannot be compiled for GPU without a device" in offload.offload_note
   assert offload.offload_note in offload_run.cli.stdout
+
+
+# jax 0.12's Pallas GPU lowering knows cards by name (compat.pallas_gpu_lowering_knows): these two
+# workstation cards are not in its table; the RTX 4090 and RTX PRO 6000 are.
+UNKNOWN_TO_PALLAS_0_12 = ("NVIDIA GeForce RTX 5090", "NVIDIA RTX A6000")
+
+
+@pytest.mark.parametrize("changes,instead,why", [
+    ({"attention.impl": "pallas"}, "'cudnn', or dry-run rtxpro6000x1 (the same sm_120)", ""),
+    # Head dim 192: cuDNN does not take it, so auto would run our kernels; the answer is xla.
+    ({"attention.impl": "auto", "model.head_dim": 192}, "'xla', or dry-run rtxpro6000x1",
+     "cuDNN takes head dims up to 128, not 192, so auto runs our Pallas kernels"),
+    ({"attention.impl": "cudnn"}, None, None),  # cuDNN itself needs no Pallas lowering
+])
+def test_pallas_kernels_for_a_card_the_lowering_cannot_name_are_refused_in_one_line(
+    monkeypatch, changes, instead, why):
+  """A deviceless dry run whose step would lower our Pallas kernels for a card this JAX's
+  lowering has no entry for stops before compiling: one line, exit 2, what to use instead. On
+  jax 0.10 (which lowers for any card) the lowering's answer is jax 0.12's, so both legs check
+  the refusal; the real answer is checked where it is jax 0.12's."""
+  if compat.jax_version() >= (0, 12, 0):
+    assert not any(compat.pallas_gpu_lowering_knows(k) for k in UNKNOWN_TO_PALLAS_0_12)
+    assert all(compat.pallas_gpu_lowering_knows(targets.parse(n).chip.description)
+               for n in ("h100x1", "rtx4090x1", "rtxpro6000x1", "b200x1", "l4x1"))
+  else:
+    assert compat.pallas_gpu_lowering_knows(UNKNOWN_TO_PALLAS_0_12[0])
+    monkeypatch.setattr(compat, "pallas_gpu_lowering_knows",
+                        lambda kind: not kind.startswith(UNKNOWN_TO_PALLAS_0_12))
+  config = with_changes(_tiny(targets.parse("rtx5090x1"), "xla"), changes)
+  refusal = command._pallas_lowering_refusal(config, targets.parse("rtx5090x1"))
+  if instead is None:
+    assert refusal is None
+    return
+  assert refusal.startswith(f"attention.impl={changes['attention.impl']!r} on NVIDIA GeForce "
+                            f"RTX 5090 32GB: {why}"), refusal
+  assert "Pallas GPU lowering has no entry for this card" in refusal
+  assert f"use attention.impl={instead}" in refusal and refusal.endswith("(Python 3.11)")
+  # A card the lowering knows, with the same compute capability, is not refused.
+  assert command._pallas_lowering_refusal(config, targets.parse("rtxpro6000x1")) is None
+  if changes["attention.impl"] == "pallas":  # the command's exit: one line, exit 2
+    proc = run_cli("--config=configs/tiny.py", "--dry_run", "--dry_run_target=a6000x2",
+                   "--config.attention.impl=pallas")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith("config error: attention.impl='pallas' on NVIDIA RTX A6000 48GB: "
+                               "jax "), lines[0]
+    assert "use attention.impl='cudnn', or dry-run on jax 0.10" in proc.stderr
+    assert proc.stdout.strip() == ""
 
 
 # One unknown target through the real process (the exit path of `python -m jaxtrain.main`), the

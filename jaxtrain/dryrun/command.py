@@ -33,6 +33,9 @@ from jaxtrain.config import ConfigError
 from jaxtrain.dryrun import hlo_dots
 from jaxtrain.dryrun import suggestions
 from jaxtrain.hardware import GIB, Target, format_bytes, verdict
+from jaxtrain.models.config import ModelConfig
+from jaxtrain.ops.attention import (CUDNN_MAX_HEAD_DIM, context_kernel_platform, cudnn_takes,
+                                    impl_under_stages, resolve_impl as resolve_attention_impl)
 from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.mesh import platform_of_backend
 from jaxtrain.train import measure as aot
@@ -71,7 +74,8 @@ def main(config, num_devices: int | None, target_name: str | None = None,
   if num_devices is not None and num_devices < 1:
     raise ConfigError(f"--dry_run_devices={num_devices}: must be a positive device count")
   target = None if num_devices is not None else resolve_target(target_name or config.target)
-  refusal = targets.precision_refusal(config.precision.matmul, target and target.chip)
+  refusal = (targets.precision_refusal(config.precision.matmul, target and target.chip)
+             or _pallas_lowering_refusal(config, target))
   if refusal:
     raise ConfigError(refusal)
   if target is not None and target.chip is not None:
@@ -91,6 +95,41 @@ def main(config, num_devices: int | None, target_name: str | None = None,
     return _rerun_with_cpu_devices(n)
   run(config, cpu_devices[:n], target, config_name, hlo_path=hlo_path)
   return 0
+
+
+def _pallas_lowering_refusal(config, target: Target | None) -> str | None:
+  """One line when the step would run our Pallas GPU kernels on a card this JAX's Pallas
+  lowering cannot compile them for without the card (compat.pallas_gpu_lowering_knows); None
+  otherwise. A run on the card itself lowers them: only the deviceless compile is refused."""
+  chip = target.chip if target is not None else None
+  if (chip is None or chip.gpu is None or targets.compiler_missing(target)
+      or compat.pallas_gpu_lowering_knows(chip.description)):
+    return None
+  impl = config.attention.impl
+  head_dim = ModelConfig.from_config(config, platform="gpu").arch.head_dim
+  resolved = impl if impl != "auto" else resolve_attention_impl(impl, "gpu", head_dim=head_dim)
+  resolved = impl_under_stages(resolved, config.mesh.stage)
+  if config.mesh.context > 1:
+    kernels = context_kernel_platform(resolved, "gpu") is not None
+    why = "context-parallel attention on GPU runs our Pallas kernels, and "
+  else:
+    kernels = resolved == "pallas"
+    why = {"auto": f"cuDNN takes head dims up to {CUDNN_MAX_HEAD_DIM}, not {head_dim}, so auto "
+                   f"runs our Pallas kernels, and ",
+           "cudnn": "pipeline stages turn cuDNN into our Pallas kernels, and "}.get(impl, "")
+  if not kernels:
+    return None
+  cudnn_would = config.mesh.context == 1 and config.mesh.stage == 1 and cudnn_takes(head_dim)
+  major, minor = chip.gpu.compute_capability
+  same = [f"{c.key}x{target.num_devices}" for c in targets.CHIPS
+          if c.gpu is not None and c.key != chip.key
+          and c.gpu.compute_capability == chip.gpu.compute_capability
+          and compat.pallas_gpu_lowering_knows(c.description)]
+  version = ".".join(map(str, compat.jax_version()))
+  return (f"attention.impl={impl!r} on {chip.name}: {why}jax {version}'s Pallas GPU lowering "
+          f"has no entry for this card, so our kernels cannot be compiled for it without one; use attention.impl={'cudnn' if cudnn_would else 'xla'!r}"
+          + (f", or dry-run {' / '.join(same)} (the same sm_{major}{minor})" if same else "")
+          + ", or dry-run on jax 0.10 (Python 3.11)")
 
 
 def _rerun_with_cpu_devices(n: int) -> int:
