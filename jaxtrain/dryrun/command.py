@@ -126,8 +126,10 @@ def _pallas_lowering_refusal(config, target: Target | None) -> str | None:
           and c.gpu.compute_capability == chip.gpu.compute_capability
           and compat.pallas_gpu_lowering_knows(c.description)]
   version = ".".join(map(str, compat.jax_version()))
+  instead = "cudnn" if cudnn_would else "xla"
   return (f"attention.impl={impl!r} on {chip.name}: {why}jax {version}'s Pallas GPU lowering "
-          f"has no entry for this card, so our kernels cannot be compiled for it without one; use attention.impl={'cudnn' if cudnn_would else 'xla'!r}"
+          f"has no entry for this card, so our kernels cannot be compiled for it without one; "
+          f"use attention.impl={instead!r}"
           + (f", or dry-run {' / '.join(same)} (the same sm_{major}{minor})" if same else "")
           + ", or dry-run on jax 0.10 (Python 3.11)")
 
