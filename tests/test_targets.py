@@ -325,6 +325,9 @@ UNKNOWN_TO_PALLAS_0_12 = ("NVIDIA GeForce RTX 5090", "NVIDIA RTX A6000")
     # Head dim 192: cuDNN does not take it, so auto would run our kernels; the answer is xla.
     ({"attention.impl": "auto", "model.head_dim": 192}, "'xla', or dry-run rtxpro6000x1",
      "cuDNN takes head dims up to 128, not 192, so auto runs our Pallas kernels"),
+    # Pipeline stages turn auto's cuDNN into our kernels (ops.attention.impl_under_stages).
+    ({"attention.impl": "auto", "mesh.stage": 2}, "'xla', or dry-run rtxpro6000x1",
+     "pipeline stages turn cuDNN into our Pallas kernels"),
     ({"attention.impl": "cudnn"}, None, None),  # cuDNN itself needs no Pallas lowering
 ])
 def test_pallas_kernels_for_a_card_the_lowering_cannot_name_are_refused_in_one_line(

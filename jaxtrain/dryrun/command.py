@@ -114,9 +114,10 @@ def _pallas_lowering_refusal(config, target: Target | None) -> str | None:
     why = "context-parallel attention on GPU runs our Pallas kernels, and "
   else:
     kernels = resolved == "pallas"
-    why = {"auto": f"cuDNN takes head dims up to {CUDNN_MAX_HEAD_DIM}, not {head_dim}, so auto "
-                   f"runs our Pallas kernels, and ",
-           "cudnn": "pipeline stages turn cuDNN into our Pallas kernels, and "}.get(impl, "")
+    why = ("" if impl == "pallas" else
+           f"cuDNN takes head dims up to {CUDNN_MAX_HEAD_DIM}, not {head_dim}, so auto runs our "
+           f"Pallas kernels, and " if not cudnn_takes(head_dim) else
+           "pipeline stages turn cuDNN into our Pallas kernels, and ")
   if not kernels:
     return None
   cudnn_would = config.mesh.context == 1 and config.mesh.stage == 1 and cudnn_takes(head_dim)
