@@ -10,8 +10,11 @@ import pytest
 
 from jaxtrain import hardware as targets
 from jaxtrain.config import load_config_file
-from jaxtrain.dryrun import check_configs
+from jaxtrain.dryrun import check_configs, interconnect
+from jaxtrain.hardware import format_bytes
 from jaxtrain.ops.grouped_matmul import resolve_impl
+from jaxtrain.train import hlo_collectives, metrics
+from tests.dry_run_helpers import collectives_by_regex
 from tests.helpers import REPO, run_main
 
 SIZED_FOR_ACCELERATORS = ("llama3_1b", "llama3_3b", "llama8b", "llama70b", "llama405b",
@@ -50,8 +53,36 @@ def _experts_travel_by_all_to_all(m):
   assert len(re.findall(r"\ball-to-all(?:-start)?\(", m.hlo)) >= 4
 
 
+def _fsdp_collectives_as_the_hlo_counts_them(m):
+  """fsdp over the 8 H100s: the weights travel by all-gather and the gradients by
+  reduce-scatter, once per microbatch at least (16 of them); the dry run's collectives section
+  prints what an independent count of the HLO's instructions finds (executed instructions,
+  group size, bytes: dry_run_helpers.collectives_by_regex), timed at NVLink's 450 GB/s."""
+  assert (m.mesh.fsdp, m.mesh.tensor, m.backend) == (8, 1, "gpu")
+  independent = collectives_by_regex(m.hlo)
+  assert {"all-gather", "reduce-scatter"} <= set(independent)
+  weights = 2 * metrics.count_params(m.model_cfg.arch)  # bytes in bfloat16
+  assert independent["all-gather"][1] >= 16 * weights
+  assert independent["reduce-scatter"][1] >= 16 * weights
+  target = targets.parse("h100x8")
+  lines = interconnect.section(m, target)
+  assert lines[1] == interconnect.HEADER
+  rows = {line.split()[0]: line.split() for line in lines if line.startswith("  ")
+          and line.split()[0] in hlo_collectives.KINDS}
+  assert set(rows) == set(independent)
+  found = hlo_collectives.count(m.hlo)
+  for kind, (executed, size, n) in independent.items():
+    k = found.of(kind)
+    assert (k.executed, k.bytes, k.group_sizes) == (executed, size, (n,)), kind
+    assert k.link_bytes == pytest.approx(size * hlo_collectives.ring_factor(kind, n))
+    row = rows[kind]
+    assert row[1:3] == [f"{executed:,}", str(n)] and " ".join(row[3:5]) == format_bytes(size)
+    assert " ".join(row[7:]) == interconnect.format_seconds(k.link_bytes / 450e9), row
+
+
 # What else the targets' compilers show of these steps, read from the compile the fit test makes.
-COMPILED_STEP_CHECKS = {"kimi_k2_1t": _experts_travel_by_all_to_all}
+COMPILED_STEP_CHECKS = {"kimi_k2_1t": _experts_travel_by_all_to_all,
+                        "llama8b": _fsdp_collectives_as_the_hlo_counts_them}
 
 
 def test_check_configs_covers_every_shipped_config():

@@ -3,9 +3,10 @@
 `python -m jaxtrain.main --config=configs/llama8b.py --dry_run` compiles the real train step for
 the config's `target` (or `--dry_run_target=NAME`) with that target's own compiler, without its
 hardware (jaxtrain/hardware.py: libtpu for TPUs, XLA's GPU compiler for GPUs), on abstract inputs;
-then prints per-device memory, FLOPs per step, the parameter shardings, the verdict, and, where it
-does not fit, changes that make it fit, each measured by the same compiler (suggestions.py). The
-last line is for scripts:
+then prints per-device memory, FLOPs per step, the collectives per step with an estimate of their
+time over the target's interconnect (interconnect.py), the parameter shardings, the verdict, and,
+where it does not fit, changes that make it fit, each measured by the same compiler
+(suggestions.py). The last line is for scripts:
 
   dry_run: target=NAME compiler=gpu|tpu|cpu devices=N params_gib=X opt_gib=X temp_gib=X
            total_gib=X fits=yes|no   (one line)
@@ -31,11 +32,12 @@ from jaxtrain import hardware as targets
 from jaxtrain import objectives
 from jaxtrain.config import ConfigError
 from jaxtrain.dryrun import hlo_dots
+from jaxtrain.dryrun import interconnect
 from jaxtrain.dryrun import suggestions
 from jaxtrain.hardware import GIB, Target, format_bytes, verdict
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.ops.attention import (CUDNN_MAX_HEAD_DIM, context_kernel_platform, cudnn_takes,
-                                    impl_under_stages, resolve_impl as resolve_attention_impl)
+                                    impl_that_runs)
 from jaxtrain.parallel import pipeline
 from jaxtrain.parallel.mesh import platform_of_backend
 from jaxtrain.train import measure as aot
@@ -107,8 +109,7 @@ def _pallas_lowering_refusal(config, target: Target | None) -> str | None:
     return None
   impl = config.attention.impl
   head_dim = ModelConfig.from_config(config, platform="gpu").arch.head_dim
-  resolved = impl if impl != "auto" else resolve_attention_impl(impl, "gpu", head_dim=head_dim)
-  resolved = impl_under_stages(resolved, config.mesh.stage)
+  resolved = impl_that_runs(impl, "gpu", head_dim, config.mesh.stage)
   if config.mesh.context > 1:
     kernels = context_kernel_platform(resolved, "gpu") is not None
     why = "context-parallel attention on GPU runs our Pallas kernels, and "
@@ -185,7 +186,8 @@ def run(config, devices, target: Target | None, config_name: str = "", out=None,
   table = memories_for(target, config)
   judged_name, judged = next(iter(table.items()))
   fits = verdict(judged, base.total).fits
-  for line in _describe(config, base, config_name, target):
+  for line in (_describe(config, base, config_name, target)
+               + suggestions.layout_alternative(config, devices, base, target)):
     out(line)
   out("")
   out(f"verdict: {format_bytes(base.total)} per device needed; 'fits' leaves "
@@ -381,4 +383,4 @@ def _describe(config, m: aot.Measurement, config_name: str, target: Target | Non
   if m.loops_without_trip_count:
     lines.append(f"  ({m.loops_without_trip_count} loop(s) without a known trip count were "
                  f"counted once)")
-  return lines
+  return lines + interconnect.section(m, target)

@@ -17,6 +17,11 @@ are compiled like the base config, by the same compiler (the target's own when i
 with exact optimizer bytes on top; estimates say how they were derived. The summary then names,
 for each memory size asked about (the target's, or each known chip's when XLA:CPU models an
 unnamed accelerator), the first option in this order that fits.
+
+On a PCIe target (workstation cards, L4) each compiled option also carries what it moves over the
+link (interconnect.py), and a config with mesh.tensor > 1 gets `layout_alternative`: the same
+devices with the tensor axis folded into fsdp, compiled, its collectives and memory beside the
+config's own, whether or not the config fits.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+from jaxtrain.config import ConfigError
+from jaxtrain.dryrun import interconnect
 from jaxtrain.hardware import Target, TargetError, format_bytes, verdict
 from jaxtrain.train import measure as aot
 
@@ -46,9 +53,11 @@ class Option:
   flops: float | None = None  # per device per step, when compiled
   # accelerator name -> (largest microbatch predicted to fit, its train.grad_accum_steps)
   microbatch_fit: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+  measured: aot.Measurement | None = None  # the compile a "compiled" option's figures are of
+  collectives: str = ""  # on PCIe: what the compiled step moves over the link (interconnect.py)
 
 
-def _with(config, overrides: dict[str, object]):
+def with_overrides(config, overrides: dict[str, object]):
   changed = copy.deepcopy(config)
   for key, value in overrides.items():
     group, name = key.split(".")
@@ -82,22 +91,24 @@ def options(config, devices, base: aot.Measurement, table: Memories,
   if microbatch > 1 and config.mesh.stage == 1:
     accum = t.grad_accum_steps * microbatch
     overrides = {"train.grad_accum_steps": accum}
-    small = aot.measure(_with(config, overrides), devices, base.platform)
+    small = aot.measure(with_overrides(config, overrides), devices, base.platform)
     found.append(Option(overrides, f"train.grad_accum_steps={accum}",
                         f"per-device microbatch {microbatch} -> 1, same global batch",
                         small.total, "compiled", small.flops,
                         _largest_microbatch(base, small, microbatch, t.grad_accum_steps,
-                                            table)))
+                                            table), small))
     # The optimizer-state options on top: exact bytes off the compiled microbatch-1 step.
     lean = dict(overrides)
     if o.state_dtype == "float32" and not o.offload_state:
       lean["optim.state_dtype"] = "bfloat16"
       found.append(Option(lean, _label(lean), "microbatch 1, bfloat16 moments",
-                          _without_optimizer_bytes(small, lean), "compiled", small.flops))
+                          _without_optimizer_bytes(small, lean), "compiled", small.flops,
+                          measured=small))
     if not o.offload_state:
       lean = {**lean, "optim.offload_state": True}
       found.append(Option(lean, _label(lean), "microbatch 1, moments in pinned host memory",
-                          _without_optimizer_bytes(small, lean), "compiled", small.flops))
+                          _without_optimizer_bytes(small, lean), "compiled", small.flops,
+                          measured=small))
 
   if not o.offload_state:
     found.append(Option({"optim.offload_state": True}, "optim.offload_state=True",
@@ -107,14 +118,15 @@ def options(config, devices, base: aot.Measurement, table: Memories,
   full = None
   if policy != "full":
     overrides = {"model.remat_policy": "full"}
-    full = aot.measure(_with(config, overrides), devices, base.platform)
+    full = aot.measure(with_overrides(config, overrides), devices, base.platform)
     if policy in _OFFLOADABLE:
       offload = {"model.remat_policy": f"{policy}_offload"}
       if base.backend != "cpu":  # accelerator compilers place the saved values in host memory
-        moved = aot.measure(_with(config, offload), devices, base.platform)
+        moved = aot.measure(with_overrides(config, offload), devices, base.platform)
         found.append(Option(offload, _label(offload),
                             f"{format_bytes(moved.act_host)} of saved activations in host "
-                            f"memory, compute as {policy}", moved.total, "compiled", moved.flops))
+                            f"memory, compute as {policy}", moved.total, "compiled", moved.flops,
+                            measured=moved))
       else:  # XLA:CPU keeps them in its one memory: what full remat frees is what moves
         moved_bytes = max(0, base.temp - full.temp)
         found.append(Option(
@@ -125,7 +137,7 @@ def options(config, devices, base: aot.Measurement, table: Memories,
     found.append(Option(overrides, "model.remat_policy=full",
                         "recompute each layer in the backward pass: FLOPs x"
                         + (f"{full.flops / base.flops:.2f}" if base.flops else "n/a"),
-                        full.total, "compiled", full.flops))
+                        full.total, "compiled", full.flops, measured=full))
 
   if len([x for x in found if x.overrides]) > 1:
     # Every option but the offload remat policy (an estimate, and full remat supersedes it).
@@ -137,17 +149,22 @@ def options(config, devices, base: aot.Measurement, table: Memories,
     # Reuse a compile above when the combination changes only what it changed.
     done = {"": base, _label({"model.remat_policy": "full"}): full,
             _label({"train.grad_accum_steps": t.grad_accum_steps * microbatch}): small}
-    combined = done.get(_label(compiled)) or aot.measure(_with(config, compiled), devices,
-                                                         base.platform)
+    combined = done.get(_label(compiled)) or aot.measure(with_overrides(config, compiled),
+                                                         devices, base.platform)
     found.append(Option(overrides, _label(overrides), "all of the above together",
                         _without_optimizer_bytes(combined, overrides),
-                        "compiled" if compiled else "exact", combined.flops))
+                        "compiled" if compiled else "exact", combined.flops,
+                        measured=combined if compiled else None))
 
   if found and not _fits_all(min(x.total for x in found), table):
     tensor = _tensor_parallel(config, devices, base, found[-1])
     if tensor is not None:
       found.append(tensor)
   found.extend(_more_devices(config, base, found, table, target))
+  if interconnect.over_pcie(target):  # where tensor parallelism's collectives cost the most
+    for option in found:
+      if option.measured is not None:
+        option.collectives = interconnect.brief(option.measured, target)
   return found
 
 
@@ -191,10 +208,12 @@ def _tensor_parallel(config, devices, base: aot.Measurement, best: Option,
   overrides = {**best.overrides, "mesh.data": mesh.data, "mesh.fsdp": mesh.fsdp // tensor,
                "mesh.tensor": tensor,
                "train.grad_accum_steps": t.global_batch_size // (shards * microbatch)}
-  measured = aot.measure(_with(config, _compiled_keys(overrides)), devices, base.platform)
+  measured = aot.measure(with_overrides(config, _compiled_keys(overrides)), devices,
+                         base.platform)
   return Option(overrides, _label(overrides),
                 f"the above with tensor parallelism {tensor} (microbatch {microbatch} kept)",
-                _without_optimizer_bytes(measured, overrides), "compiled", measured.flops)
+                _without_optimizer_bytes(measured, overrides), "compiled", measured.flops,
+                measured=measured)
 
 
 def _largest_microbatch(base: aot.Measurement, small: aot.Measurement, microbatch: int,
@@ -259,6 +278,8 @@ def describe(found: list[Option], base: aot.Measurement, table: Memories) -> lis
     lines.append(f"  {option.label}")
     lines.append(f"      {format_bytes(option.total):>11}  {option.how:<8}  {option.effect}")
     lines.append(f"      fits: {', '.join(fits) if fits else 'none of the table'}")
+    if option.collectives:
+      lines.append(f"      collectives: {option.collectives}")
     if option.microbatch_fit:
       per = ", ".join(f"{k} {mb}" for k, (mb, _) in option.microbatch_fit.items())
       lines.append(f"      largest microbatch that fits (interpolated): {per}")
@@ -284,3 +305,46 @@ def best_change(found: list[Option], base: aot.Measurement, name: str, memory: f
     return f"--config.train.grad_accum_steps={accum} (microbatch {mb}{how})"
   label = pick.label if pick.label.startswith("--") else f"--config.{pick.label}"
   return f"{label} ({format_bytes(pick.total)}, {pick.how})"
+
+
+def layout_alternative(config, devices, base: aot.Measurement,
+                       target: Target | None) -> list[str]:
+  """On a PCIe target with mesh.tensor > 1: the same devices with the tensor axis folded into
+  fsdp, compiled like the base, its collectives and memory next to the base's; [] otherwise.
+  The global batch is kept, and train.grad_accum_steps where it still divides it (else the
+  largest that does)."""
+  mesh, t = base.mesh, config.train
+  if not interconnect.over_pcie(target) or mesh.tensor == 1:
+    return []
+  shards = mesh.batch_shards * mesh.tensor
+  accum = next((a for a in range(t.grad_accum_steps, 0, -1)
+                if t.global_batch_size % (shards * a) == 0), None)
+  lines = ["", f"on PCIe, fsdp instead of tensor (the same {base.num_devices} devices; compiled "
+               f"like the above, collectives an ESTIMATE as above):"]
+  if accum is None:
+    return lines + [f"  not compiled: global batch {t.global_batch_size} does not split over "
+                    f"{shards} batch shards"]
+  overrides = {"mesh.fsdp": mesh.fsdp * mesh.tensor, "mesh.tensor": 1}
+  if accum != t.grad_accum_steps:
+    overrides["train.grad_accum_steps"] = accum
+  label = " ".join(f"--config.{k}={v}" for k, v in overrides.items())
+  try:
+    other = aot.measure(with_overrides(config, overrides), devices, base.platform)
+  except ConfigError as e:
+    return lines + [f"  {label}", f"  not compiled: {e}"]
+  if not other.hlo:
+    return lines + [f"  {label}", "  not compiled: the compiler refused the program (its memory)"]
+  rate = interconnect.link_bytes_per_s(target)
+  mine, theirs = interconnect.counted(base), interconnect.counted(other)
+  fits = verdict(target.memory_bytes, other.total).status
+  seconds = interconnect.format_seconds
+  return lines + [
+      f"  {label}",
+      f"    {format_bytes(theirs.link_bytes):>11} over the link, "
+      f"~{seconds(theirs.seconds(rate))} per step; memory {format_bytes(other.total)} "
+      f"per device ({fits})",
+      f"    against {format_bytes(mine.link_bytes)}, ~{seconds(mine.seconds(rate))} "
+      f"with mesh.tensor={mesh.tensor} (above)"
+      + (f": {mine.link_bytes / theirs.link_bytes:.2f}x fsdp's bytes" if theirs.link_bytes
+         else ""),
+  ]

@@ -212,6 +212,14 @@ def impl_under_stages(impl: str, stages: int) -> str:
   return "pallas" if impl == "cudnn" and stages > 1 else impl
 
 
+def impl_that_runs(impl: str, platform: str, head_dim: int, stages: int) -> str:
+  """What attention `impl` becomes in a step compiled for `platform` with queries of `head_dim`
+  under `stages` pipeline stages: `auto` resolved (resolve_impl), then cuDNN under stages
+  (impl_under_stages). An explicit impl is kept as named: validation checks it."""
+  resolved = resolve_impl(impl, platform, head_dim=head_dim) if impl == "auto" else impl
+  return impl_under_stages(resolved, stages)
+
+
 def context_kernel_platform(impl: str, platform: str, interpret: bool = False) -> str | None:
   """Where context-parallel attention runs our Pallas kernels per chunk pair: "gpu" for a fused
   impl on GPU (cuDNN has no per-chunk log-sum-exp to merge, so `cudnn` and `auto` take our

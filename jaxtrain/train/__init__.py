@@ -7,6 +7,7 @@
   measure.py           ahead-of-time compile of the real step: memory and FLOPs per device
   memory_breakdown.py  where a compiled step's memory goes (the buffers live at its peak)
   hlo_flops.py         matmul FLOPs of a compiled XLA program
+  hlo_collectives.py   bytes its collectives move per run, by kind (the same parser)
   preflight.py         before the first weight is allocated: will the step fit?
   metrics.py           parameter and FLOP accounting, MFU, and the metric writers
   wandb.py             the Weights & Biases side of the metric writer

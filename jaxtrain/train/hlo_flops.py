@@ -17,6 +17,9 @@ rewrites dots into; elementwise work is left out as in the analytic formula
 (metrics.flops_per_token). libtpu also drops `known_trip_count` from its loops: the trip count is
 then read from the loop condition (`counter < N` against one integer constant), as XLA's own loop
 analysis does.
+
+`parse` and `per_run` give other counts the same weighting (hlo_collectives.py: the bytes of the
+collectives).
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class _Computation:
   compares_less: bool = False
   # While loops without a known trip count: (body, condition), resolved once all are parsed.
   open_loops: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+  # The instructions whose opcode `_parse` was asked to keep: (opcode, type, rest of the line).
+  kept: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
 
 
 def _split_type(rest: str) -> tuple[str, str]:
@@ -95,7 +100,9 @@ def _operands(op_text: str) -> list[str]:
   return []
 
 
-def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str | None, int, int]:
+def _parse(hlo_text: str, keep: frozenset[str] = frozenset()
+           ) -> tuple[dict[str, _Computation], str | None, int, int]:
+  """(computations by name, the entry's name, while loops, loops without a trip count)."""
   computations: dict[str, _Computation] = {}
   entry, current, shapes = None, None, {}
   loops = unknown = 0
@@ -121,6 +128,8 @@ def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str | None, int, int
     shapes[name] = _dims(type_str)
     opcode = op_text.split("(", 1)[0].strip()
     current.ops[opcode] = current.ops.get(opcode, 0) + 1
+    if opcode in keep:
+      current.kept.append((opcode, type_str, op_text))
     constant = _INT_CONSTANT.match(rest)
     if constant:
       current.int_constants.append(int(constant.group(1)))
@@ -240,8 +249,8 @@ def _valid_taps(size_in: int, window: int, size_out: int, pad_low: int) -> int:
   return count
 
 
-def _per_run(computations: dict[str, _Computation], entry: str | None,
-             own: Callable[[_Computation], float]) -> float:
+def per_run(computations: dict[str, _Computation], entry: str | None,
+            own: Callable[[_Computation], float]) -> float:
   """`own(computation)` summed over one run of `entry`: each computation weighted by how often it
   runs (loop bodies by trip count, a conditional by its costliest branch)."""
   memo: dict[str, float] = {}
@@ -257,10 +266,20 @@ def _per_run(computations: dict[str, _Computation], entry: str | None,
   return total(entry) if entry else 0.0
 
 
+def parse(hlo_text: str, keep: frozenset[str] = frozenset()
+          ) -> tuple[dict[str, _Computation], str | None]:
+  """(computations by name, the entry computation's name) of `compiled.as_text()`, for counts
+  weighted like the FLOPs (per_run); the instructions whose opcode is in `keep` are kept whole in
+  their computation's `kept`, as (opcode, type, the rest of the line): hlo_collectives.py reads
+  the collectives so."""
+  computations, entry, _, _ = _parse(hlo_text, keep)
+  return computations, entry
+
+
 def count(hlo_text: str) -> HloFlops:
   """Matmul FLOPs of one run of the entry computation of `compiled.as_text()`."""
   computations, entry, loops, unknown = _parse(hlo_text)
-  return HloFlops(flops=_per_run(computations, entry, lambda c: c.dot_flops), loops=loops,
+  return HloFlops(flops=per_run(computations, entry, lambda c: c.dot_flops), loops=loops,
                   loops_without_trip_count=unknown)
 
 
@@ -269,4 +288,4 @@ def executed_ops(hlo_text: str, opcode: str) -> int:
   each counted as often as its computation runs (loop bodies by trip count, a conditional by its
   branch with the most)."""
   computations, entry, _, _ = _parse(hlo_text)
-  return int(_per_run(computations, entry, lambda c: c.ops.get(opcode, 0)))
+  return int(per_run(computations, entry, lambda c: c.ops.get(opcode, 0)))

@@ -31,8 +31,7 @@ import numpy as np
 
 from jaxtrain import objectives
 from jaxtrain.train import setup as train_setup
-from jaxtrain.ops.attention import (CUDNN_MAX_HEAD_DIM, context_kernel_platform, impl_under_stages,
-                                resolve_impl as resolve_attention_impl)
+from jaxtrain.ops.attention import CUDNN_MAX_HEAD_DIM, context_kernel_platform, impl_that_runs
 from jaxtrain.models.config import ModelConfig
 from jaxtrain.parallel.mesh import MeshShape, make_mesh, platform_of_backend
 from jaxtrain.train import hlo_flops
@@ -115,9 +114,7 @@ def modelled_model_config(config, backend: str, platform: str) -> tuple[ModelCon
   attention is compiled or modelled."""
   cfg = ModelConfig.from_config(config, platform=platform)
   impl = config.attention.impl
-  resolved = (resolve_attention_impl(impl, platform, head_dim=cfg.arch.head_dim)
-              if impl == "auto" else impl)
-  resolved = impl_under_stages(resolved, config.mesh.stage)
+  resolved = impl_that_runs(impl, platform, cfg.arch.head_dim, config.mesh.stage)
   shown = f"{impl!r}" + (f" ({resolved})" if impl in ("auto", "cudnn") and impl != resolved
                          else "")
   if platform == "gpu" and impl == "auto" and resolved == "pallas":
