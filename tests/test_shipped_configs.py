@@ -1,11 +1,14 @@
 """Every shipped config names its target; one config of each architecture fits its target as
 shipped, by that target's own compiler (every shipped config's fit is `python -m
-jaxtrain.dryrun.check_configs`, which CI runs after the suite: tests/README.md); and a run that
-cannot fit this machine stops before allocating anything."""
+jaxtrain.dryrun.check_configs`, which CI runs after the suite: tests/README.md); a run that
+cannot fit this machine stops before allocating anything; and the workstation configs train a
+step here at toy size."""
 
 import os
 import re
 
+import jax
+import numpy as np
 import pytest
 
 from jaxtrain import hardware as targets
@@ -13,9 +16,12 @@ from jaxtrain.config import load_config_file
 from jaxtrain.dryrun import check_configs, interconnect
 from jaxtrain.hardware import format_bytes
 from jaxtrain.ops.grouped_matmul import resolve_impl
+from jaxtrain.parallel.mesh import make_mesh
 from jaxtrain.train import hlo_collectives, metrics
+from jaxtrain.train import loop as trainer, setup as train_setup
+from jaxtrain.validation.checks import resolve_mesh_shape, validate
 from tests.dry_run_helpers import collectives_by_regex
-from tests.helpers import REPO, run_main
+from tests.helpers import REPO, dpo_pair_batch, packed_batch, run_main
 
 SIZED_FOR_ACCELERATORS = ("llama3_1b", "llama3_3b", "llama8b", "llama70b", "llama405b",
                           "sft_lora_llama8b", "dpo_llama8b", "reward_llama8b", "qlora_llama8b",
@@ -23,7 +29,8 @@ SIZED_FOR_ACCELERATORS = ("llama3_1b", "llama3_3b", "llama8b", "llama70b", "llam
                           "grpo_llama8b", "qwen3_8b", "qwen3_32b", "mistral_7b", "gemma3_27b",
                           "sft_lora_qwen3_8b", "qlora_gemma3_27b", "mixtral_8x7b",
                           "qwen3_30b_a3b", "qwen3_235b_a22b", "qlora_qwen3_30b_a3b",
-                          "deepseek_v3_671b", "kimi_k2_1t")
+                          "deepseek_v3_671b", "kimi_k2_1t", "qlora_llama8b_32k",
+                          "qlora_llama70b", "dpo_qlora_llama70b")
 # One shipped config per distinct architecture and compiler, all for GPU (no shipped config
 # targets a TPU): dense (llama8b), context-parallel (llama8b_128k), and latent attention with
 # experts (kimi_k2_1t, the cheaper of DeepSeek-V3's two shapes), whose step is also the expert
@@ -138,3 +145,58 @@ def test_llama8b_training_on_this_host_stops_before_allocating(tmp_path):
   assert "89.75 GiB per device" in lines[0] and "GiB available" in lines[0]
   assert "--dry_run" in lines[0]
   assert not workdir.exists()
+
+
+# The workstation configs (docs/finetuning.md, "One workstation") shrunk to a toy model that
+# trains on this host: their objective, adapters, NF4 base, remat, gradient accumulation,
+# optimizer placement and mesh axes over as many CPU devices as the target has cards, as
+# shipped; only the model's dims, the sequence, the quantization group (to divide the toy dims
+# over the mesh) and the attention kernel (cuDNN and our Triton kernels are GPU-only: XLA's
+# here) change.
+WORKSTATION_CONFIGS = ("qlora_llama8b_32k", "qlora_llama70b", "dpo_qlora_llama70b")
+
+
+def _toy(name):
+  config = load_config_file(os.path.join(REPO, "configs", f"{name}.py"))
+  m = config.model
+  m.vocab_size, m.num_layers, m.d_model, m.mlp_dim = 128, 2, 64, 128
+  m.num_heads, m.num_kv_heads, m.head_dim = 8, 2, 8
+  config.lora.quant_group_size = 16
+  config.train.seq_len = 31 if config.train.objective == "dpo" else 32  # rows of 32
+  config.train.loss_chunk_size = 16
+  config.attention.impl = "xla"
+  config.attention.block_q = config.attention.block_k = 0
+  return config
+
+
+@pytest.mark.parametrize("name", WORKSTATION_CONFIGS)
+def test_workstation_config_trains_a_step_at_toy_size(name):
+  shipped = load_config_file(os.path.join(REPO, "configs", f"{name}.py"))
+  config = _toy(name)
+  devices = targets.parse(config.target).num_devices
+  validate(config, devices, "cpu")
+  mesh = make_mesh(resolve_mesh_shape(config, devices), jax.devices()[:devices])
+  setup = train_setup.build(config, mesh)
+  assert setup.model_cfg.peft.base_quant == "nf4" and setup.model_cfg.peft.lora_rank == 16
+  assert setup.model_cfg.runtime.remat_policy == "full"
+  assert dict(mesh.shape)["fsdp"] == devices  # fsdp over every card, as on the target
+  state = train_setup.init_state(setup, seed=0)
+  assert state.frozen.reference is None  # DPO too: the reference is the base, no second copy
+  assert np.dtype(np.uint8) in {x.dtype for x in jax.tree.leaves(state.frozen.base)}  # NF4
+  b = config.train.global_batch_size
+  if config.train.objective == "dpo":
+    batch = dpo_pair_batch(b=b, t=config.train.seq_len + 1)
+  else:
+    batch = packed_batch(b, config.train.seq_len, config.model.vocab_size)
+  adapters = jax.device_get(state.params)
+  with jax.set_mesh(setup.mesh):
+    state, m = setup.train_step(state, trainer.to_global_batch(batch, setup.mesh))
+  assert (config.train.global_batch_size, config.train.grad_accum_steps,
+          config.optim.offload_state) == (shipped.train.global_batch_size,
+                                          shipped.train.grad_accum_steps,
+                                          shipped.optim.offload_state)
+  assert int(state.step) == 1 and np.isfinite(float(m["loss"]))
+  if config.train.objective == "dpo":  # fresh adapters: the policy is the reference
+    assert float(m["loss"]) == pytest.approx(np.log(2), abs=1e-6)
+  after = jax.tree.leaves(jax.device_get(state.params))
+  assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(adapters), after))
