@@ -57,6 +57,22 @@ def fsdp2():
   return result, lines
 
 
+def test_a_repeated_dry_run_is_measured_again_not_served_from_the_compilation_cache(fsdp2):
+  """The suite runs with a persistent compilation cache (conftest.py), as a user may: the same
+  dry run again compiles again, so its buffer assignment (the peak breakdown, and TPU's
+  temporaries) is read from a fresh dump, not lost to a cached executable that writes none."""
+  assert jax.config.jax_compilation_cache_dir
+  first, _ = fsdp2
+  # A compile of the same program without the dump (as check_configs and pre-flight compile)
+  # puts its executable in the cache; the dry run's own compile must not take it.
+  plain = aot.measure(_dry_config(2), jax.devices()[:2], "gpu")
+  assert plain.breakdown is None and plain.temp == first.base.temp
+  again = command.run(_dry_config(2), jax.devices()[:2], None, "small", out=lambda line: None)
+  assert first.base.breakdown is not None and again.base.breakdown is not None
+  assert again.base.breakdown.temp_bytes == first.base.breakdown.temp_bytes == again.base.temp
+  assert jax.config.jax_persistent_cache_min_compile_time_secs == 0  # restored after
+
+
 def test_last_line_is_machine_readable_and_params_are_exact(fsdp2):
   result, lines = fsdp2
   assert lines[-1] == result.last_line

@@ -18,6 +18,7 @@ fused attention kernel (cuDNN, Pallas), which XLA:CPU cannot compile, is stood i
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -287,6 +288,19 @@ def compiled_bytes(compiled) -> tuple[int, int]:
           max(0, int(memory.output_size_in_bytes) - int(memory.alias_size_in_bytes)))
 
 
+@contextlib.contextmanager
+def _not_cached():
+  """Compiles inside write no entry to a persistent compilation cache (JAX skips programs that
+  compiled faster than the minimum time): with memory_breakdown.compile_options, whose key no
+  other compile shares, the compiler then always runs and writes its dump."""
+  before = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+  try:
+    yield
+  finally:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
 def _compile_and_measure(config, devices, platform: str | None = None,
                          with_breakdown: bool = False) -> Measurement:
   backend = platform_of_backend(devices[0].platform)
@@ -296,8 +310,9 @@ def _compile_and_measure(config, devices, platform: str | None = None,
   with tempfile.TemporaryDirectory(prefix="jaxtrain-xla-dump-") as dump_dir:
     start = time.perf_counter()
     try:
-      compiled, setup, state, batch, attention_note, mesh_shape = compile_step(
-          config, devices, platform, dump_dir=dump_dir if dump else None)
+      with _not_cached() if dump else contextlib.nullcontext():
+        compiled, setup, state, batch, attention_note, mesh_shape = compile_step(
+            config, devices, platform, dump_dir=dump_dir if dump else None)
     except CompilerOutOfMemory as e:
       return _refused(config, devices, platform, e, time.perf_counter() - start)
     compile_s = time.perf_counter() - start

@@ -65,9 +65,16 @@ class Breakdown:
     return [b for b in self.buffers if b.kind != "argument"]
 
 
-def compile_options(dump_dir: str) -> dict[str, str]:
-  """The compile options that make the compiler write what `read` needs into `dump_dir`."""
-  return {"xla_dump_to": dump_dir}
+def compile_options(dump_dir: str) -> dict[str, object]:
+  """The compile options that make the compiler write what `read` needs into `dump_dir`.
+
+  A persistent compilation cache (JAX_COMPILATION_CACHE_DIR) would serve an identical program
+  from an earlier compile, which writes no dump: JAX leaves the dump flags out of its cache key.
+  `xla_dump_large_constants` (its default value; it changes only how dumps print constants) is
+  part of the key, so a compile with these options never takes a plain compile's entry; the
+  caller keeps it from writing one of its own (measure.py), so it never takes an earlier one's.
+  """
+  return {"xla_dump_to": dump_dir, "xla_dump_large_constants": False}
 
 
 def read(dump_dir: str, module: str = "jit_train_step") -> Breakdown | None:
